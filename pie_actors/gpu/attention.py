@@ -1,0 +1,113 @@
+"""Paged attention over a flat KV slot array.
+
+The KV cache of one layer is a tensor [num_slots, kv_heads, head_dim] where slot = page * page_size + offset.
+A batch mixes lanes of any length. Single-row lanes without a custom mask (decode) are gathered into one
+padded tensor and served by one SDPA call; longer lanes (prefill, drafts) get one SDPA call each. The
+gather indices and masks are built once per batch (`AttentionMetadata.build`) and reused by every layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class LanePlan:
+    """One lane of a batch, as rank 0 plans it. Plain ints and lists so it pickles cheaply."""
+
+    q_start: int                          # first row of the lane in the flattened batch
+    q_len: int
+    pages: list[int]                      # page table covering local slots [0, kv_len)
+    kv_len: int                           # local slots the lane attends over
+    q_slots: list[int] | None = None      # local slot of each row; None: the last q_len slots
+    mask: list[list[bool]] | None = None  # custom [q_len, kv_len] attention mask, True = attend
+
+
+@dataclass
+class _Group:
+    """Decode lanes batched together: rows [B], gather index [B, S], mask [B, 1, 1, S]."""
+
+    rows: torch.Tensor
+    index: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass
+class _Single:
+    start: int
+    end: int
+    index: torch.Tensor                   # [kv_len] global slots
+    mask: torch.Tensor | None             # [q_len, kv_len] bool; None = plain causal from slot 0
+
+
+@dataclass
+class AttentionMetadata:
+    write_slots: torch.Tensor             # [T] global slot each row's K/V is written to
+    decode: _Group | None = None
+    singles: list[_Single] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, lanes: list[LanePlan], write_slots: list[int], page_size: int,
+              device: torch.device) -> "AttentionMetadata":
+        meta = cls(torch.tensor(write_slots, dtype=torch.long, device=device))
+        offsets = torch.arange(page_size, device=device)
+        decode = [l for l in lanes if l.q_len == 1 and l.mask is None]
+        if decode:
+            max_pages = max(len(l.pages) for l in decode)
+            pages = torch.tensor([l.pages + [0] * (max_pages - len(l.pages)) for l in decode],
+                                 dtype=torch.long, device=device)
+            index = (pages.unsqueeze(-1) * page_size + offsets).flatten(1)        # [B, S]
+            last = torch.tensor([(l.q_slots[0] if l.q_slots else l.kv_len - 1) for l in decode],
+                                device=device)
+            kv_len = torch.tensor([l.kv_len for l in decode], device=device)
+            pos = torch.arange(index.shape[1], device=device)
+            mask = (pos < kv_len.unsqueeze(1)) & (pos <= last.unsqueeze(1))
+            rows = torch.tensor([l.q_start for l in decode], dtype=torch.long, device=device)
+            meta.decode = _Group(rows, index, mask[:, None, None, :])
+        for l in lanes:
+            if l.q_len == 1 and l.mask is None:
+                continue
+            pages = torch.tensor(l.pages, dtype=torch.long, device=device)
+            index = (pages.unsqueeze(-1) * page_size + offsets).flatten()[: l.kv_len]
+            meta.singles.append(_Single(l.q_start, l.q_start + l.q_len, index, _lane_mask(l, device)))
+        return meta
+
+
+def _lane_mask(lane: LanePlan, device: torch.device) -> torch.Tensor | None:
+    if lane.mask is not None:
+        return torch.tensor(lane.mask, dtype=torch.bool, device=device)
+    if lane.q_slots is None and lane.q_len == lane.kv_len:
+        return None                       # rows are slots 0..n-1: SDPA's own causal path
+    q_slots = (torch.tensor(lane.q_slots, device=device) if lane.q_slots is not None
+               else torch.arange(lane.kv_len - lane.q_len, lane.kv_len, device=device))
+    return torch.arange(lane.kv_len, device=device).unsqueeze(0) <= q_slots.unsqueeze(1)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] for the batch rows; returns [T, Hq, D].
+
+    Writes this batch's K/V into the cache first, so a lane attends to its own new rows too.
+    """
+    k_cache.index_copy_(0, meta.write_slots, k)
+    v_cache.index_copy_(0, meta.write_slots, v)
+    out = torch.empty_like(q)
+    gqa = q.shape[1] != k.shape[1]
+    if meta.decode is not None:
+        g = meta.decode
+        qd = q.index_select(0, g.rows).unsqueeze(2)                       # [B, Hq, 1, D]
+        kd = k_cache[g.index].transpose(1, 2)                              # [B, Hkv, S, D]
+        vd = v_cache[g.index].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, enable_gqa=gqa)
+        out.index_copy_(0, g.rows, o.squeeze(2))
+    for s in meta.singles:
+        qs = q[s.start:s.end].transpose(0, 1)                              # [Hq, L, D]
+        ks = k_cache[s.index].transpose(0, 1)                              # [Hkv, S, D]
+        vs = v_cache[s.index].transpose(0, 1)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, is_causal=s.mask is None,
+                                           enable_gqa=gqa)
+        out[s.start:s.end] = o.transpose(0, 1)
+    return out

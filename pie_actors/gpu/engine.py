@@ -1,0 +1,337 @@
+"""The engine: accepts forward-pass requests from many clients and runs them in shared batches.
+
+Continuous batching: every `step` takes whatever passes are pending (FIFO, up to a token budget, one
+lane per sequence per batch so a pipeline's passes stay ordered), plans their KV slots in the page
+store, runs one batch on the workers, commits the written KV and runs each pass's epilogue on its
+rows of logits. A bad pass fails alone: it is rejected while planning and its KV changes roll back.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+from collections import Counter, deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..config import load_config, pick_device, pick_dtype
+from ..kvstore import KVStore, KVStoreError
+from ..model_store import resolve_model
+from .attention import LanePlan
+from .tokenizer import Tokenizer
+from .tp import Comm, TorchDistComm
+from .worker import BatchPlan, Worker, kv_bytes_per_page, start_remote_ranks
+
+Epilogue = Callable[[torch.Tensor], Any]
+
+
+class PassError(ValueError):
+    """A forward pass was rejected; the message names the lane and the problem."""
+
+
+@dataclass
+class Lane:
+    """One sequence's rows in a pass.
+
+    Default geometry (`slots` None) appends `tokens` at the end of the sequence at positions
+    length.., attends causally over the whole sequence, and freezes the rows (`fold=True`).
+    Explicit geometry writes rows at local `slots` with `positions`, attends over slots [0, kv_len)
+    (causally by slot, or by `mask`), and freezes up to `fold` when it is an int.
+    """
+
+    seq: int
+    tokens: list[int]
+    positions: list[int] | None = None
+    slots: list[int] | None = None
+    kv_len: int | None = None
+    mask: list[list[bool]] | None = None
+    fold: bool | int = True
+    readout: list[int] | None = None      # rows of this lane whose logits reach the epilogue; default: last
+
+
+@dataclass
+class PassRequest:
+    lanes: list[Lane]
+    epilogue: Epilogue | None = None      # logits [rows read out, vocab] -> result; default returns logits on CPU
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
+class _Planned:
+    request: PassRequest
+    rows: slice                           # its readout rows in the batch's logits
+    commits: list[tuple[int, int | None]] # (seq, fold_to) to commit after the batch ran
+    undo: list[tuple[int, int]]           # (seq, length) to roll back to if the batch fails
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class Engine:
+    def __init__(self, worker: Worker, kv: KVStore, tokenizer: Tokenizer | None = None,
+                 max_batch_tokens: int = 4096, remote: list | None = None):
+        self.worker, self.kv, self.tokenizer = worker, kv, tokenizer
+        self.cfg = worker.cfg
+        self.max_batch_tokens = max_batch_tokens
+        self.batch_sizes: Counter[int] = Counter()   # passes per executed batch
+        self._remote = remote
+        self._pending: deque[PassRequest] = deque()
+        self._copies: list[tuple[int, int]] = []
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    @classmethod
+    def from_model(cls, model: str = "", *, device: str | None = None, dtype: str | None = None,
+                   page_size: int | None = None, kv_memory_mb: int | None = None,
+                   max_batch_tokens: int | None = None, tp: int | None = None,
+                   num_threads: int | None = None) -> "Engine":
+        """Build an engine from a model store name or folder; unset options come from the config file."""
+        conf = load_config()
+        model_dir = resolve_model(model or conf["model"])
+        dev = pick_device(device or conf["device"])
+        dt = pick_dtype(dtype or conf["dtype"], dev)
+        page_size = page_size or conf["page_size"]
+        tp = tp or conf["tp"]
+        tokenizer = Tokenizer.from_dir(model_dir)
+        from .loader import load_checkpoint
+        cfg = load_checkpoint(model_dir).config
+        budget = (kv_memory_mb or conf["kv_memory_mb"]) * 2**20
+        num_pages = max(1, budget // kv_bytes_per_page(cfg, page_size, dt, tp))
+        comm, remote = Comm(), None
+        if tp > 1:
+            import ray
+            if not ray.is_initialized():
+                ray.init(address="auto")
+            init = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
+            remote = start_remote_ranks(str(model_dir), dev, dt, num_pages, page_size, tp, init, num_threads)
+            comm = TorchDistComm(0, tp, init, dev)
+        worker = Worker(model_dir, device=dev, dtype=dt, num_pages=num_pages, page_size=page_size,
+                        comm=comm, num_threads=num_threads)
+        return cls(worker, KVStore(num_pages, page_size), tokenizer,
+                   max_batch_tokens or conf["max_batch_tokens"], remote)
+
+    # ---- sequences ---------------------------------------------------------------------------
+    def create_sequence(self) -> int:
+        with self._lock:
+            return self.kv.create()
+
+    def fork(self, seq: int) -> int:
+        """A child sharing `seq`'s frozen prefix; a partial tail page is copied before the next batch."""
+        with self._lock:
+            child, copies = self.kv.fork(seq)
+            self._copies.extend(copies)
+            return child
+
+    def free(self, seq: int) -> None:
+        with self._lock:
+            self.kv.free(seq)
+
+    # ---- passes ------------------------------------------------------------------------------
+    def submit(self, request: PassRequest) -> Future:
+        with self._lock:
+            self._pending.append(request)
+            self._lock.notify()
+        return request.future
+
+    def step(self) -> int:
+        """Run one batch of pending passes. Returns how many passes it completed or rejected."""
+        with self._lock:
+            planned, plan, handled = self._plan_batch()
+        if planned:
+            self._execute(planned, plan)
+        elif plan.copies:
+            self._broadcast_and_run(plan)
+        return handled
+
+    def run_until_idle(self) -> None:
+        while self.step():
+            pass
+
+    def _plan_batch(self) -> tuple[list[_Planned], BatchPlan, int]:
+        plan = BatchPlan([], [], [], [], [], self._copies)
+        self._copies = []
+        planned: list[_Planned] = []
+        busy: set[int] = set()
+        handled, waiting = 0, deque()
+        while self._pending:
+            req = self._pending.popleft()
+            seqs = [lane.seq for lane in req.lanes]
+            n_tokens = sum(len(lane.tokens) for lane in req.lanes)
+            if busy.intersection(seqs) or (planned and len(plan.input_ids) + n_tokens > self.max_batch_tokens):
+                waiting.append(req)        # next batch: keeps each sequence's passes in order
+                busy.update(seqs)
+                continue
+            handled += 1
+            try:
+                planned.append(self._plan_pass(req, plan))
+                busy.update(seqs)
+            except (PassError, KVStoreError) as e:
+                req.future.set_exception(e)
+        self._pending = waiting
+        return planned, plan, handled
+
+    def _plan_pass(self, req: PassRequest, plan: BatchPlan) -> _Planned:
+        if not req.lanes:
+            raise PassError("a forward pass needs at least one lane")
+        if len({lane.seq for lane in req.lanes}) != len(req.lanes):
+            raise PassError("two lanes of one pass update the same sequence")
+        for i, lane in enumerate(req.lanes):
+            self._validate(i, lane)
+        undo: list[tuple[int, int]] = []
+        mark = (len(plan.input_ids), len(plan.lanes), len(plan.readout))
+        try:
+            commits = [self._plan_lane(lane, plan, undo) for lane in req.lanes]
+        except (PassError, KVStoreError):
+            self._rollback(undo)
+            del plan.input_ids[mark[0]:], plan.positions[mark[0]:], plan.write_slots[mark[0]:]
+            del plan.lanes[mark[1]:], plan.readout[mark[2]:]
+            raise
+        return _Planned(req, slice(mark[2], len(plan.readout)), commits, undo)
+
+    def _rollback(self, undo: list[tuple[int, int]]) -> None:
+        for seq, length in reversed(undo):
+            try:
+                self.kv.truncate(seq, length)
+            except KVStoreError:
+                pass                      # the sequence was freed meanwhile: nothing left to undo
+
+    def _validate(self, i: int, lane: Lane) -> None:
+        n, vocab = len(lane.tokens), self.cfg.vocab_size
+        if n == 0:
+            raise PassError(f"lane {i}: no input tokens")
+        bad = [t for t in lane.tokens if not 0 <= t < vocab]
+        if bad:
+            raise PassError(f"lane {i}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        for name in ("positions", "slots"):
+            values = getattr(lane, name)
+            if values is not None and len(values) != n:
+                raise PassError(f"lane {i}: {len(values)} {name} for {n} tokens")
+        max_pos = self.cfg.max_position_embeddings
+        end = self.kv.length(lane.seq) + n if lane.positions is None else max(lane.positions) + 1
+        if end > max_pos or (lane.positions and min(lane.positions) < 0):
+            raise PassError(f"lane {i}: position {end - 1} is beyond the model's context of {max_pos} tokens")
+        if lane.readout is not None and not all(0 <= r < n for r in lane.readout):
+            raise PassError(f"lane {i}: readout rows {lane.readout} outside the lane's {n} rows")
+
+    def _plan_lane(self, lane: Lane, plan: BatchPlan, undo: list[tuple[int, int]]) -> tuple[int, int | None]:
+        kv, seq, n = self.kv, lane.seq, len(lane.tokens)
+        canonical = lane.positions is None and lane.mask is None
+        undo.append((seq, kv.length(seq)))
+        if lane.slots is None:
+            appended = kv.append(seq, lane.tokens, canonical=canonical,
+                                 reuse_prefix=canonical and lane.readout is None)
+            skip, write, q_slots = appended.reused, appended.slots, None
+            undo[-1] = (seq, appended.start)   # reused rows were frozen at once; they stay
+            positions = (list(range(appended.start, appended.start + n - skip)) if lane.positions is None
+                         else lane.positions[skip:])
+        else:
+            skip, q_slots = 0, lane.slots
+            write = kv.slots_for(seq, lane.slots, lane.tokens, canonical=False)
+            positions = lane.positions if lane.positions is not None else lane.slots
+        kv_len = kv.length(seq) if lane.kv_len is None else lane.kv_len
+        if not 0 < kv_len <= kv.length(seq) or (q_slots and max(q_slots) >= kv_len):
+            raise PassError(f"sequence {seq}: kv_len {kv_len} must cover the rows written "
+                            f"and stay within the sequence's {kv.length(seq)} slots")
+        if lane.mask is not None and (len(lane.mask) != n or any(len(r) != kv_len for r in lane.mask)):
+            raise PassError(f"sequence {seq}: mask must be {n} rows x {kv_len} slots")
+        start = len(plan.input_ids)
+        plan.input_ids += lane.tokens[skip:]
+        plan.positions += positions
+        plan.write_slots += write
+        plan.lanes.append(LanePlan(start, n - skip, kv.kv_pages(seq, kv_len), kv_len, q_slots, lane.mask))
+        plan.readout += [start + r - skip for r in (lane.readout or [n - 1])]
+        fold = kv.length(seq) if lane.fold is True else (None if lane.fold is False else lane.fold)
+        return seq, fold
+
+    def _broadcast_and_run(self, plan: BatchPlan) -> torch.Tensor:
+        if self._remote:
+            self.worker.comm.broadcast_object(plan)
+        return self.worker.execute(plan)
+
+    def _execute(self, planned: list[_Planned], plan: BatchPlan) -> None:
+        try:
+            logits = self._broadcast_and_run(plan)
+        except Exception as e:            # a worker failure fails the whole batch, nothing else
+            with self._lock:
+                for p in planned:
+                    self._rollback(p.undo)
+                    p.request.future.set_exception(e)
+            return
+        self.batch_sizes[len(planned)] += 1
+        for p in planned:
+            try:
+                with self._lock:
+                    for seq, fold in p.commits:
+                        self.kv.commit(seq, fold)
+                rows = logits[p.rows]
+                p.request.future.set_result(p.request.epilogue(rows) if p.request.epilogue else rows.cpu())
+            except Exception as e:        # a sequence freed mid-batch, or a failing epilogue
+                p.request.future.set_exception(e)
+
+    # ---- background loop ---------------------------------------------------------------------
+    def start(self) -> "Engine":
+        """Serve submitted passes from a background thread until `close`."""
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._pending and not self._copies and not self._stopping:
+                    self._lock.wait()
+                if self._stopping:
+                    return
+            self.step()
+
+    def close(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        if self._thread:
+            self._thread.join()
+        if self._remote:
+            import ray
+            self.worker.comm.broadcast_object(None)
+            pg, actors, refs = self._remote
+            ray.get(refs, timeout=60)
+            self.worker.comm.close()
+            for a in actors:
+                ray.kill(a)
+            ray.util.remove_placement_group(pg)
+            self._remote = None
+
+    # ---- convenience -------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, ignore_eos: bool = False,
+                 stop: set[int] | None = None) -> list[list[int]]:
+        """Greedy decoding of several prompts batched together; returns the new tokens of each."""
+        stop = set() if ignore_eos else set(stop if stop is not None else self.cfg.eos_token_ids)
+        seqs = [self.create_sequence() for _ in prompts]
+        outputs: list[list[int]] = [[] for _ in prompts]
+        inputs = [list(p) for p in prompts]
+        live = list(range(len(prompts)))
+        argmax: Epilogue = lambda logits: int(logits[-1].argmax())
+        try:
+            for _ in range(max_new_tokens):
+                futures = [self.submit(PassRequest([Lane(seqs[i], inputs[i])], argmax)) for i in live]
+                if self._thread is None:
+                    self.run_until_idle()
+                for i, fut in zip(list(live), futures):
+                    token = fut.result()
+                    outputs[i].append(token)
+                    inputs[i] = [token]
+                    if token in stop:
+                        live.remove(i)
+                if not live:
+                    break
+        finally:
+            for s in seqs:
+                self.free(s)
+        return outputs

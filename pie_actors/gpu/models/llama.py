@@ -1,0 +1,181 @@
+"""The Llama family in one file: Llama 2/3, SmolLM2, Mistral-style GQA, Qwen2 (QKV bias), Qwen3 (q/k norm).
+
+Inputs are flattened: a batch is T rows from any number of lanes, each row with its own position and KV
+slot (see attention.py). Linear layers are tensor-parallel (tp.py); with one rank they are plain matmuls.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from ..attention import AttentionMetadata, paged_attention
+from ..tp import (Comm, MergedColumnParallelLinear, ParallelLMHead, RowParallelLinear,
+                  VocabParallelEmbedding)
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like the reference implementations; bf16 variance loses too much.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies, with Llama 3.1's frequency-dependent scaling when the config asks for it."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = ((old_ctx / wavelen) - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif scaling.get("rope_type", scaling.get("type")) == "linear":
+        inv = inv / scaling["factor"]
+    return inv.float()
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for every position, indexed per row (rows of one batch have unrelated positions)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        t = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(t, rope_inv_freq(cfg))
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x [T, H, D]; rotate-half convention (Hugging Face layout of q/k weights).
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: Comm):
+        super().__init__()
+        tp = comm.world_size
+        if cfg.num_heads % tp or cfg.num_kv_heads % tp:
+            raise ValueError(f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads do not split "
+                             f"over tensor-parallel size {tp}")
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim
+        d = cfg.head_dim
+        self.qkv_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, {"q": cfg.num_heads * d, "k": cfg.num_kv_heads * d, "v": cfg.num_kv_heads * d},
+            bias=cfg.attention_bias, comm=comm)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, bias=False, comm=comm)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(q, positions), rotary(k, positions)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta)
+        return self.o_proj(o.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: Comm):
+        super().__init__()
+        n = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, {"gate": n, "up": n}, False, comm)
+        self.down_proj = RowParallelLinear(n, cfg.hidden_size, False, comm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: Comm):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, comm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, comm)
+
+    def forward(self, x, positions, rotary, kv, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding -> blocks -> final norm. `lm_head` is applied only to the rows read out."""
+
+    # checkpoint name fragment -> (our module fragment, shard id) for the fused projections
+    packed = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, cfg: ModelConfig, comm: Comm | None = None):
+        super().__init__()
+        comm = comm or Comm()
+        self.cfg = cfg
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm)
+        self.layers = nn.ModuleList(Block(cfg, comm) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm)
+        self.rotary = Rotary(cfg)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rotary, kv, meta)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face named tensors; each parameter's weight_loader takes its own shard."""
+        params = dict(self.named_parameters())
+        seen: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            shard = None
+            for src, (dst, shard_id) in self.packed.items():
+                if f".{src}." in name:
+                    name, shard = name.replace(f".{src}.", f".{dst}."), shard_id
+                    break
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in the {self.cfg.architecture} model")
+            param = params[name]
+            loader = getattr(param, "weight_loader", None)
+            tensor = tensor.to(param.dtype)
+            if loader is None:
+                param.data.copy_(tensor)
+            else:
+                loader(param, tensor, shard)
+            seen.add(name)
+            if name == "embed_tokens.weight" and self.cfg.tie_word_embeddings:
+                self.lm_head.weight_loader(self.lm_head.weight, tensor)
+                seen.add("lm_head.weight")
+        missing = set(params) - seen
+        if missing:
+            raise KeyError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:4]}")

@@ -1,0 +1,178 @@
+"""Tensor parallelism: the collective interface and the sharded layers that use it.
+
+Each layer owns its shard of the weight and a `weight_loader(param, full_tensor, shard_id=None)` that
+cuts the rank's slice out of a full checkpoint tensor, so loading is one loop over checkpoint names
+(see `load_weights` in models/llama.py). Column-parallel layers split output features; row-parallel
+layers split input features and all-reduce their partial sums.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class Comm:
+    """Collectives across the tensor-parallel group. The single-rank base class is the identity."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return x
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Rank 0 passes `obj`; every rank returns it."""
+        return obj
+
+    def close(self) -> None:
+        pass
+
+
+class TorchDistComm(Comm):
+    """torch.distributed: gloo on CPU, NCCL on CUDA. The same calls serve both backends."""
+
+    def __init__(self, rank: int, world_size: int, init_method: str, device: torch.device):
+        self.rank, self.world_size = rank, world_size
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=120))
+        # Objects (batch plans) always travel over gloo on the CPU, tensors over the device backend.
+        self._cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=dim)
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self._cpu_group)
+        return box[0]
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _shard(x: torch.Tensor, dim: int, comm: Comm) -> torch.Tensor:
+    size = x.shape[dim] // comm.world_size
+    return x.narrow(dim, comm.rank * size, size)
+
+
+def _check_divisible(n: int, comm: Comm, what: str) -> None:
+    if n % comm.world_size:
+        raise ValueError(f"{what}={n} is not divisible by tensor-parallel size {comm.world_size}")
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W split along output features; each rank returns its slice of y."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, comm: Comm):
+        super().__init__()
+        _check_divisible(out_features, comm, "out_features")
+        self.comm = comm
+        self.weight = nn.Parameter(torch.empty(out_features // comm.world_size, in_features),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features // comm.world_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        param.data.copy_(_shard(loaded, 0, self.comm))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input fused into one matmul (gate+up, q+k+v).
+
+    `sizes` are the full output sizes of the parts; each rank holds its slice of every part, in order.
+    """
+
+    def __init__(self, in_features: int, sizes: dict[str, int], bias: bool, comm: Comm):
+        for name, n in sizes.items():
+            _check_divisible(n, comm, f"{name} size")
+        super().__init__(in_features, sum(sizes.values()), bias, comm)
+        self.local_sizes = {name: n // comm.world_size for name, n in sizes.items()}
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        offset = 0
+        for name, n in self.local_sizes.items():
+            if name == shard_id:
+                param.data.narrow(0, offset, n).copy_(_shard(loaded, 0, self.comm))
+                return
+            offset += n
+        raise KeyError(f"unknown shard {shard_id!r}; parts are {list(self.local_sizes)}")
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return y.split(list(self.local_sizes.values()), dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W split along input features; partial products are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, comm: Comm):
+        super().__init__()
+        _check_divisible(in_features, comm, "in_features")
+        self.comm = comm
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // comm.world_size),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        param.data.copy_(loaded if loaded.dim() == 1 else _shard(loaded, 1, self.comm))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.comm.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows; each rank embeds its rows and the results are summed."""
+
+    def __init__(self, vocab_size: int, dim: int, comm: Comm):
+        super().__init__()
+        _check_divisible(vocab_size, comm, "vocab_size")
+        self.comm = comm
+        self.vocab_size = vocab_size
+        self.shard_size = vocab_size // comm.world_size
+        self.start = comm.rank * self.shard_size
+        self.weight = nn.Parameter(torch.empty(self.shard_size, dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        param.data.copy_(_shard(loaded, 0, self.comm))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.comm.world_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.shard_size)
+        y = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * inside.unsqueeze(-1)
+        return self.comm.all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection split by vocabulary; logits are gathered so every rank holds all of them."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.comm.all_gather(F.linear(hidden, self.weight), dim=-1)

@@ -1,0 +1,133 @@
+"""A worker holds one tensor-parallel shard of the model and its KV page tensors, and runs batch plans.
+
+Rank 0 (inside the engine) plans every batch and hands the same `BatchPlan` to all ranks; each rank runs
+its shard and the row-parallel layers all-reduce. Ranks 1..tp-1 are `WorkerActor`s that block in
+`serve()`, receiving plans by broadcast from rank 0, so no Ray call sits on the per-batch path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .attention import AttentionMetadata, LanePlan
+from .loader import load_checkpoint
+from .models import ModelConfig, build_model
+from .tp import Comm, TorchDistComm
+
+
+@dataclass
+class BatchPlan:
+    """Everything a rank needs to run one batch. Plain lists: it is pickled to the other ranks."""
+
+    input_ids: list[int]
+    positions: list[int]
+    write_slots: list[int]                 # global KV slot of each row
+    lanes: list[LanePlan]
+    readout: list[int]                     # batch rows whose logits are returned
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) pages to copy first
+
+
+def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype, tp: int = 1) -> int:
+    return 2 * cfg.num_layers * page_size * (cfg.num_kv_heads // tp) * cfg.head_dim * dtype.itemsize
+
+
+class Worker:
+    """One rank: the model shard plus per-layer K and V caches of shape [num_pages * page_size, kv_heads, head_dim]."""
+
+    def __init__(self, model_dir: str | Path, *, device: torch.device, dtype: torch.dtype,
+                 num_pages: int, page_size: int, comm: Comm | None = None, num_threads: int | None = None):
+        if num_threads and device.type == "cpu":
+            torch.set_num_threads(num_threads)   # Ray sets OMP_NUM_THREADS=1 inside actors
+        self.comm = comm or Comm()
+        self.device, self.dtype, self.page_size = device, dtype, page_size
+        ckpt = load_checkpoint(model_dir)
+        self.cfg = ckpt.config
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                self.model = build_model(self.cfg, self.comm)
+        finally:
+            torch.set_default_dtype(previous)
+        self.model.load_weights(ckpt.weights())
+        self.model.eval()
+        heads = self.cfg.num_kv_heads // self.comm.world_size
+        shape = (num_pages * page_size, heads, self.cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                           torch.zeros(shape, dtype=dtype, device=device))
+                          for _ in range(self.cfg.num_layers)]
+
+    @torch.inference_mode()
+    def execute(self, plan: BatchPlan) -> torch.Tensor:
+        """Run one batch; returns float32 logits [len(plan.readout), vocab] on the worker's device."""
+        if plan.copies:
+            self._copy_pages(plan.copies)
+        if not plan.input_ids:
+            return torch.empty(0, self.cfg.vocab_size, device=self.device)
+        dev = self.device
+        ids = torch.tensor(plan.input_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(plan.positions, dtype=torch.long, device=dev)
+        meta = AttentionMetadata.build(plan.lanes, plan.write_slots, self.page_size, dev)
+        hidden = self.model(ids, pos, self.kv_caches, meta)
+        rows = torch.tensor(plan.readout, dtype=torch.long, device=dev)
+        return self.model.logits(hidden.index_select(0, rows))
+
+    def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        ps = self.page_size
+        offsets = torch.arange(ps, device=self.device)
+        src = (torch.tensor([s for s, _ in copies], device=self.device).unsqueeze(1) * ps + offsets).flatten()
+        dst = (torch.tensor([d for _, d in copies], device=self.device).unsqueeze(1) * ps + offsets).flatten()
+        for k, v in self.kv_caches:
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
+
+    def serve(self) -> None:
+        """Ranks > 0: run every plan rank 0 broadcasts until it broadcasts None."""
+        while (plan := self.comm.broadcast_object()) is not None:
+            self.execute(plan)
+        self.comm.close()
+
+
+class WorkerActor:
+    """Ray actor body for ranks 1..tp-1 (see `start_remote_ranks`)."""
+
+    def __init__(self, model_dir: str, device: str, dtype: str, num_pages: int, page_size: int,
+                 rank: int, world_size: int, init_method: str, num_threads: int | None):
+        self.args = (model_dir, torch.device(device), getattr(torch, dtype), num_pages, page_size,
+                     rank, world_size, init_method, num_threads)
+
+    def serve(self) -> None:
+        # The process group is joined here, not in __init__, because joining blocks until rank 0 joins too.
+        model_dir, device, dtype, num_pages, page_size, rank, world, init, threads = self.args
+        comm = TorchDistComm(rank, world, init, device)
+        Worker(model_dir, device=device, dtype=dtype, num_pages=num_pages, page_size=page_size,
+               comm=comm, num_threads=threads).serve()
+
+
+def start_remote_ranks(model_dir: str, device: torch.device, dtype: torch.dtype, num_pages: int,
+                       page_size: int, tp: int, init_method: str, num_threads: int | None) -> list:
+    """Start ranks 1..tp-1 as Ray actors in one placement group and set them serving.
+
+    Returns the actor handles and their `serve` refs; the caller joins the group as rank 0 next.
+    """
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    # On CPU the ranks need almost no Ray CPU accounting: 2-core machines fit only 2 whole-CPU actors.
+    bundle = {"GPU": 1} if device.type == "cuda" else {"CPU": 0.01}
+    pg = placement_group([bundle] * (tp - 1), strategy="PACK")
+    ray.get(pg.ready(), timeout=60)
+    remote = ray.remote(WorkerActor)
+    actors, refs = [], []
+    for rank in range(1, tp):
+        actor = remote.options(
+            num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank - 1),
+        ).remote(model_dir, str(device), str(dtype).removeprefix("torch."), num_pages, page_size,
+                 rank, tp, init_method, num_threads)
+        actors.append(actor)
+        refs.append(actor.serve.remote())
+    return [pg, actors, refs]

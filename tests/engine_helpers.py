@@ -1,0 +1,52 @@
+"""Shared helpers for engine tests: tiny random Hugging Face models and transformers references."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pie_actors.gpu.engine import Engine
+from pie_actors.gpu.tokenizer import Tokenizer
+from pie_actors.gpu.worker import Worker
+from pie_actors.kvstore import KVStore
+
+CPU = torch.device("cpu")
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+            tie_word_embeddings=False)
+
+
+def save_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
+    """A randomly initialised Llama/Qwen2/Qwen3-shaped model written as a Hugging Face folder."""
+    import transformers
+    torch.manual_seed(seed)
+    if family == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=32, **TINY))
+    elif family == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TINY))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+    with torch.no_grad():   # default init leaves biases 0 and norms 1: randomise so they are tested
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
+    return folder
+
+
+def make_engine(model_dir: Path, *, num_pages: int = 256, page_size: int = 16,
+                dtype: torch.dtype = torch.float32, max_batch_tokens: int = 4096) -> Engine:
+    worker = Worker(model_dir, device=CPU, dtype=dtype, num_pages=num_pages, page_size=page_size)
+    tokenizer = Tokenizer.from_dir(model_dir) if (Path(model_dir) / "tokenizer.json").exists() else None
+    return Engine(worker, KVStore(num_pages, page_size), tokenizer, max_batch_tokens)
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy continuation and the logits at every generated step."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits)
