@@ -1,0 +1,15 @@
+"""Paged KV bookkeeping: page pool, page tables, prefix index, fork, LRU eviction (no tensors)."""
+
+from .pool import InvalidSlot, KVStoreError, OutOfPages, UnknownSequence
+from .prefix import chain_key
+from .store import AppendPlan, KVStore
+
+__all__ = [
+    "AppendPlan",
+    "InvalidSlot",
+    "KVStore",
+    "KVStoreError",
+    "OutOfPages",
+    "UnknownSequence",
+    "chain_key",
+]

@@ -1,0 +1,282 @@
+"""Paged KV bookkeeping: which pages and slots each sequence (working set) uses.
+
+The engine owns the KV tensors; this module only hands out slots. A sequence's local slot ``i``
+lives at global slot ``pages[i // page_size] * page_size + i % page_size``. Slots below ``folded``
+are frozen and never written again, which is what makes sharing them safe: full frozen pages are
+shared by fork and, for canonical sequences (position == slot, causal mask), across requests
+through the prefix index. A page that anyone may still write always has exactly one reference.
+"""
+
+import itertools
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .pool import InvalidSlot, KVStoreError, OutOfPages, PagePool, UnknownSequence
+from .prefix import ROOT, chain_key
+
+
+@dataclass
+class AppendPlan:
+    reused: int  # tokens taken from the prefix cache (not to be computed)
+    slots: list[int]  # global slot ids for the remaining tokens, in order
+    start: int  # sequence index (== position) of the first remaining token
+
+
+@dataclass
+class _Seq:
+    pages: list[int] = field(default_factory=list)
+    tokens: list[int | None] = field(default_factory=list)  # per written slot; None = a gap never written
+    folded: int = 0
+    cached_tokens: int = 0
+    canonical: bool = True
+    keys: list[int] = field(default_factory=list)  # chain key of each leading full frozen page
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+class KVStore:
+    def __init__(self, num_pages: int, page_size: int = 16) -> None:
+        if num_pages <= 0 or page_size <= 0:
+            raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._pool = PagePool(num_pages)
+        self._seqs: dict[int, _Seq] = {}
+        self._ids = itertools.count()
+
+    # -- sequences ------------------------------------------------------------------------------
+
+    def create(self) -> int:
+        """A new empty sequence id."""
+        seq = next(self._ids)
+        self._seqs[seq] = _Seq()
+        return seq
+
+    def free(self, seq: int) -> None:
+        """Release all its pages; indexed ones become cached, the rest free."""
+        s = self._get(seq)
+        del self._seqs[seq]
+        # Tail first, so LRU eviction takes a chain's deepest pages before its root: once the
+        # root is gone, nothing below it can be found again.
+        for page in reversed(s.pages):
+            self._pool.decref(page)
+
+    def fork(self, seq: int) -> tuple[int, list[tuple[int, int]]]:
+        """Child shares the parent's frozen prefix: full frozen pages are shared (incref), the
+        partially filled frozen tail page (if folded % page_size != 0) is copied into a new page.
+        Returns (child_id, [(src_page, dst_page)]): the engine copies those KV pages on the device
+        before its next batch. Child length == folded == the parent's folded; the parent's
+        uncommitted slots are not inherited. The child starts with cached_tokens 0: its prefix
+        came from the parent, not from the prefix cache."""
+        s = self._get(seq)
+        full, tail = divmod(s.folded, self.page_size)
+        copy = self._pool.allocate(1 if tail else 0)  # before any incref: OutOfPages changes nothing
+        shared = s.pages[:full]
+        for page in shared:
+            self._pool.incref(page)
+        child = next(self._ids)
+        self._seqs[child] = _Seq(
+            pages=shared + copy,
+            tokens=s.tokens[: s.folded],
+            folded=s.folded,
+            canonical=s.canonical,
+            keys=list(s.keys),
+        )
+        return child, [(s.pages[full], copy[0])] if tail else []
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    def append(
+        self, seq: int, tokens: list[int], *, reuse_prefix: bool = True, canonical: bool = True
+    ) -> AppendPlan:
+        """Append len(tokens) rows at positions length..length+n-1.
+
+        With reuse_prefix on a canonical sequence that is fully frozen at a page boundary, leading
+        full pages of ``tokens`` found in the prefix index are attached instead of computed (always
+        leaving at least one token to compute); they count into cached_tokens and are frozen at
+        once. Pages for the rest are allocated. All or nothing on OutOfPages."""
+        s = self._get(seq)
+        hits = self._prefix_hits(s, tokens) if reuse_prefix and canonical else []
+        reused = len(hits) * self.page_size
+        end = s.length + len(tokens)
+        need = max(0, self._pages_for(end) - len(s.pages) - len(hits))
+        # Revived pages leave the eviction queue, so they cannot also be evicted to pay for `need`.
+        available = self._pool.available() - sum(self._pool.is_cached(page) for page, _ in hits)
+        if need > available:
+            raise OutOfPages(f"sequence {seq}: need {need} new pages, {available} available")
+        for page, key in hits:
+            self._pool.incref(page)
+            s.pages.append(page)
+            s.keys.append(key)
+        s.pages += self._pool.allocate(need)
+        start = s.length + reused
+        s.tokens += tokens
+        s.folded += reused
+        s.cached_tokens += reused
+        s.canonical = s.canonical and canonical
+        return AppendPlan(reused=reused, slots=self._global(s, range(start, end)), start=start)
+
+    def _prefix_hits(self, s: _Seq, tokens: list[int]) -> list[tuple[int, int]]:
+        """(page, key) of indexed pages matching the leading full pages of ``tokens`` after ``s``."""
+        ps = self.page_size
+        # Reuse needs the chain key of s's last page (canonical and fully frozen) and a page
+        # boundary with no reserved pages past it, where the attached pages go.
+        if not (s.canonical and s.folded == s.length == len(s.pages) * ps):
+            return []
+        parent = s.keys[-1] if s.keys else ROOT
+        hits = []
+        # At least one token stays to compute: the caller needs the logits of the last row.
+        for i in range((len(tokens) - 1) // ps):
+            key = chain_key(parent, tokens[i * ps : (i + 1) * ps])
+            page = self._pool.lookup(key)
+            if page is None:
+                break
+            hits.append((page, key))
+            parent = key
+        return hits
+
+    def reserve(self, seq: int, end: int) -> None:
+        """Ensure pages exist for slots [0, end), for explicit geometry writes. Length is unchanged."""
+        s = self._get(seq)
+        s.pages += self._pool.allocate(max(0, self._pages_for(end) - len(s.pages)))
+
+    def slots_for(
+        self, seq: int, local_slots: list[int], tokens: list[int], *, canonical: bool
+    ) -> list[int]:
+        """Explicit geometry: global slots for writing ``tokens`` at ``local_slots``.
+
+        Each slot must be >= folded and below the reserved capacity; slots below length overwrite
+        uncommitted rows. Length grows to max(slot) + 1 (unwritten slots in between are gaps).
+        canonical=False marks the sequence non-canonical for good: none of its later pages is indexed."""
+        s = self._get(seq)
+        if len(local_slots) != len(tokens):
+            raise InvalidSlot(f"sequence {seq}: {len(local_slots)} slots for {len(tokens)} tokens")
+        capacity = len(s.pages) * self.page_size
+        for slot in local_slots:
+            if slot < s.folded:
+                raise InvalidSlot(f"sequence {seq}: slot {slot} is frozen (folded={s.folded})")
+            if slot >= capacity:
+                raise InvalidSlot(
+                    f"sequence {seq}: slot {slot} is beyond the reserved capacity {capacity}; reserve() first"
+                )
+        end = max(local_slots, default=-1) + 1
+        s.tokens += [None] * (end - s.length)
+        for slot, token in zip(local_slots, tokens):
+            s.tokens[slot] = token
+        s.canonical = s.canonical and canonical
+        return self._global(s, local_slots)
+
+    def commit(self, seq: int, fold_to: int | None) -> None:
+        """Called after the engine wrote the KV. Freeze up to fold_to if given (folded only grows,
+        so a smaller fold_to is a no-op), then index every full page that is now entirely frozen."""
+        s = self._get(seq)
+        if fold_to is not None:
+            if fold_to > s.length:
+                raise InvalidSlot(f"sequence {seq}: cannot fold to {fold_to}, only {s.length} slots written")
+            s.folded = max(s.folded, fold_to)
+        ps = self.page_size
+        while s.canonical and len(s.keys) < s.folded // ps:
+            i = len(s.keys)
+            page_tokens = s.tokens[i * ps : (i + 1) * ps]
+            if None in page_tokens:
+                # A frozen gap holds garbage KV: this page can never be shared, and since every
+                # later key chains through it, neither can any later page.
+                s.canonical = False
+                break
+            key = chain_key(s.keys[-1] if s.keys else ROOT, page_tokens)
+            self._pool.register(s.pages[i], key)
+            s.keys.append(key)
+
+    def truncate(self, seq: int, length: int) -> None:
+        """Roll back uncommitted rows to ``length`` (folded <= length <= current length). Pages
+        past the new length are released, reserved ones included."""
+        s = self._get(seq)
+        if not s.folded <= length <= s.length:
+            raise InvalidSlot(
+                f"sequence {seq}: cannot truncate to {length}, must be in [folded={s.folded}, length={s.length}]"
+            )
+        del s.tokens[length:]
+        keep = self._pages_for(length)
+        for page in reversed(s.pages[keep:]):
+            self._pool.decref(page)
+        del s.pages[keep:]
+
+    # -- queries --------------------------------------------------------------------------------
+
+    def kv_pages(self, seq: int, kv_len: int | None = None) -> list[int]:
+        """Page ids covering slots [0, kv_len), kv_len defaulting to length."""
+        s = self._get(seq)
+        kv_len = s.length if kv_len is None else kv_len
+        self._check_range(seq, s, 0, kv_len)
+        return s.pages[: self._pages_for(kv_len)]
+
+    def global_slots(self, seq: int, start: int, end: int) -> list[int]:
+        """Global slot ids of local slots [start, end)."""
+        s = self._get(seq)
+        self._check_range(seq, s, start, end)
+        return self._global(s, range(start, end))
+
+    def length(self, seq: int) -> int:
+        return self._get(seq).length
+
+    def folded(self, seq: int) -> int:
+        return self._get(seq).folded
+
+    def cached_tokens(self, seq: int) -> int:
+        return self._get(seq).cached_tokens
+
+    def check_page(self, page: int) -> None:
+        """Raise KVStoreError if ``page`` is out of range or free."""
+        if not 0 <= page < self.num_pages:
+            raise KVStoreError(f"page {page} is out of range [0, {self.num_pages})")
+        if self._pool.is_free(page):
+            raise KVStoreError(f"page {page} is free")
+
+    def stats(self) -> dict[str, int]:
+        """Page counts: {"total", "free", "referenced", "cached"}."""
+        return self._pool.stats()
+
+    def check(self) -> None:
+        """Raise AssertionError describing the first accounting inconsistency found."""
+        self._pool.check(Counter(page for s in self._seqs.values() for page in s.pages))
+        ps = self.page_size
+        for seq, s in self._seqs.items():
+            if not 0 <= s.folded <= s.length <= len(s.pages) * ps:
+                raise AssertionError(
+                    f"sequence {seq}: folded {s.folded}, length {s.length}, {len(s.pages)} pages"
+                )
+            if not 0 <= s.cached_tokens <= s.folded:
+                raise AssertionError(f"sequence {seq}: cached_tokens {s.cached_tokens} > folded {s.folded}")
+            keyed = len(s.keys)
+            if keyed > s.folded // ps or (s.canonical and keyed != s.folded // ps):
+                raise AssertionError(
+                    f"sequence {seq}: {keyed} chain keys for {s.folded // ps} full frozen pages"
+                )
+            for page in s.pages[s.folded // ps :]:
+                if self._pool.refcount[page] != 1:
+                    raise AssertionError(f"sequence {seq}: writable page {page} is shared")
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _get(self, seq: int) -> _Seq:
+        try:
+            return self._seqs[seq]
+        except KeyError:
+            raise UnknownSequence(f"unknown sequence {seq} (never created or already freed)") from None
+
+    def _pages_for(self, slots: int) -> int:
+        return -(-slots // self.page_size)
+
+    def _global(self, s: _Seq, local_slots: Iterable[int]) -> list[int]:
+        ps = self.page_size
+        return [s.pages[i // ps] * ps + i % ps for i in local_slots]
+
+    def _check_range(self, seq: int, s: _Seq, start: int, end: int) -> None:
+        capacity = len(s.pages) * self.page_size
+        if not 0 <= start <= end <= capacity:
+            raise InvalidSlot(
+                f"sequence {seq}: slots [{start}, {end}) outside the reserved capacity {capacity}"
+            )
