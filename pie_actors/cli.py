@@ -1,0 +1,101 @@
+"""The `pie` command line (and the `pie-client` stub).
+
+Each top-level subcommand is one `_add_<name>(subparsers)` function that builds its parser and sets
+`handler` to a small function taking the parsed arguments; to add a subcommand (generate, run,
+serve, ...), write such a function and append it to SUBCOMMANDS.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from . import config
+
+# Errors that are the user's to fix: printed as one line, not as a traceback.
+_USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileExistsError, FileNotFoundError)
+
+
+# --- pie model ------------------------------------------------------------------------------------
+
+def _model_import(args: argparse.Namespace) -> int:
+    from .model_store import import_model
+
+    path = import_model(args.source, name=args.name, force=args.force)
+    print(f"imported {args.source} as {path.name!r} into {path}")
+    return 0
+
+
+def _model_list(args: argparse.Namespace) -> int:
+    from .model_store import list_models, models_dir
+
+    models = list_models()
+    if not models:
+        print(f"no models in {models_dir()}; add one with `pie model import {config.DEFAULT_MODEL}`")
+        return 0
+    rows = [("NAME", "ARCH", "PARAMS", "SIZE", "SOURCE")]
+    for m in models:
+        params = f"{m['params'] / 1e6:.1f}M" if m["params"] is not None else "-"
+        rows.append((m["name"], m["architecture"], params, f"{m['size_bytes'] / 2**20:.0f} MiB", m["source"] or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+    return 0
+
+
+def _add_model(sub: argparse._SubParsersAction) -> None:
+    model = sub.add_parser("model", help="manage the local model store")
+    actions = model.add_subparsers(dest="action", required=True, metavar="ACTION")
+    imp = actions.add_parser("import", help="add a model: a .gguf file, a Hugging Face folder, "
+                                            f"{config.DEFAULT_MODEL!r}, or a hub repo id")
+    imp.add_argument("source")
+    imp.add_argument("--name", help="store name (default: derived from the source)")
+    imp.add_argument("--force", action="store_true", help="replace a model of the same name")
+    imp.set_defaults(handler=_model_import)
+    actions.add_parser("list", help="list stored models").set_defaults(handler=_model_list)
+
+
+# --- pie config -----------------------------------------------------------------------------------
+
+def _config_init(args: argparse.Namespace) -> int:
+    print(f"wrote {config.init_config(force=args.force)}")
+    return 0
+
+
+def _add_config(sub: argparse._SubParsersAction) -> None:
+    cfg = sub.add_parser("config", help="manage $PIE_HOME/config.toml")
+    actions = cfg.add_subparsers(dest="action", required=True, metavar="ACTION")
+    init = actions.add_parser("init", help="write a config file holding the defaults")
+    init.add_argument("--force", action="store_true", help="overwrite an existing config file")
+    init.set_defaults(handler=_config_init)
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_model, _add_config]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pie", description="pie: programmable LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except _USER_ERRORS as e:
+        print(f"pie: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def client_main(argv: list[str] | None = None) -> int:
+    print("pie-client: not implemented yet (see issue 3)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
