@@ -58,6 +58,8 @@ def load_checkpoint(folder: str | Path) -> Checkpoint:
         config = ModelConfig.from_hf(raw)
     except KeyError as e:
         raise ModelLoadError(f"{config_path} lacks required field {e}") from e
+    except UnsupportedModel as e:
+        raise UnsupportedModel(f"{config_path}: {e}") from None
 
     files = _weight_files(folder)
     for file in files:
@@ -369,6 +371,7 @@ class _ShardWriter:
         names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         for i, name in enumerate(names):
             (self.folder / f"shard-{i}.tmp").rename(self.folder / name)
+            (self.folder / name).chmod(0o644)  # safetensors creates files private (0600)
         if n > 1:
             weight_map = {t: name for name, tensors in zip(names, self.shards) for t in tensors}
             _write_json(self.folder / "model.safetensors.index.json", {"metadata": {}, "weight_map": weight_map})
