@@ -45,8 +45,14 @@ def make_engine(model_dir: Path, *, num_pages: int = 256, page_size: int = 16,
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy continuation and the logits at every generated step."""
+    """transformers' greedy continuation and the logits of every step (a plain loop: `generate` would
+    apply logits processors, e.g. min_new_tokens masks EOS)."""
+    tokens, logits, past, feed = [], [], None, torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits)
+        for _ in range(n):
+            out = model(feed, past_key_values=past, use_cache=True)
+            past, row = out.past_key_values, out.logits[0, -1]
+            logits.append(row)
+            tokens.append(int(row.argmax()))
+            feed = torch.tensor([[tokens[-1]]])
+    return tokens, torch.stack(logits)
