@@ -6,11 +6,6 @@ from pathlib import Path
 import torch
 
 from pie_actors.gpu.engine import Engine
-from pie_actors.gpu.tokenizer import Tokenizer
-from pie_actors.gpu.worker import Worker
-from pie_actors.kvstore import KVStore
-
-CPU = torch.device("cpu")
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -38,10 +33,9 @@ def save_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
 
 
 def make_engine(model_dir: Path, *, num_pages: int = 256, page_size: int = 16,
-                dtype: torch.dtype = torch.float32, max_batch_tokens: int = 4096) -> Engine:
-    worker = Worker(model_dir, device=CPU, dtype=dtype, num_pages=num_pages, page_size=page_size)
-    tokenizer = Tokenizer.from_dir(model_dir) if (Path(model_dir) / "tokenizer.json").exists() else None
-    return Engine(worker, KVStore(num_pages, page_size), tokenizer, max_batch_tokens)
+                dtype: str = "float32", max_batch_tokens: int = 4096) -> Engine:
+    return Engine.from_model(str(model_dir), device="cpu", dtype=dtype, num_pages=num_pages,
+                             page_size=page_size, max_batch_tokens=max_batch_tokens)
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:

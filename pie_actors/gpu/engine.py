@@ -21,6 +21,7 @@ from ..config import load_config, pick_device, pick_dtype
 from ..kvstore import KVStore, KVStoreError
 from ..model_store import resolve_model
 from .attention import LanePlan
+from .loader import load_checkpoint
 from .tokenizer import Tokenizer
 from .tp import Comm, TorchDistComm
 from .worker import BatchPlan, Worker, kv_bytes_per_page, start_remote_ranks
@@ -73,6 +74,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _check_tp(cfg, tp: int) -> None:
+    """Fail before any rank starts: a shape that does not split would fail on every rank at once."""
+    for what, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
+                    ("intermediate size", cfg.intermediate_size), ("vocabulary size", cfg.vocab_size)):
+        if n % tp:
+            raise ValueError(f"tensor-parallel size {tp} does not divide the model's {what} ({n})")
+
+
 class Engine:
     def __init__(self, worker: Worker, kv: KVStore, tokenizer: Tokenizer | None = None,
                  max_batch_tokens: int = 4096, remote: list | None = None):
@@ -89,26 +98,31 @@ class Engine:
 
     @classmethod
     def from_model(cls, model: str = "", *, device: str | None = None, dtype: str | None = None,
-                   page_size: int | None = None, kv_memory_mb: int | None = None,
+                   page_size: int | None = None, kv_memory_mb: int | None = None, num_pages: int | None = None,
                    max_batch_tokens: int | None = None, tp: int | None = None,
                    num_threads: int | None = None) -> "Engine":
-        """Build an engine from a model store name or folder; unset options come from the config file."""
+        """Build an engine from a model store name or folder; unset options come from the config file.
+
+        The KV pool is `num_pages` pages, or as many as fit in `kv_memory_mb` per rank.
+        """
         conf = load_config()
         model_dir = resolve_model(model or conf["model"])
         dev = pick_device(device or conf["device"])
         dt = pick_dtype(dtype or conf["dtype"], dev)
         page_size = page_size or conf["page_size"]
         tp = tp or conf["tp"]
-        tokenizer = Tokenizer.from_dir(model_dir)
-        from .loader import load_checkpoint
+        # A folder without a tokenizer still serves passes of token ids.
+        tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         cfg = load_checkpoint(model_dir).config
-        budget = (kv_memory_mb or conf["kv_memory_mb"]) * 2**20
-        num_pages = max(1, budget // kv_bytes_per_page(cfg, page_size, dt, tp))
+        if num_pages is None:
+            budget = (kv_memory_mb or conf["kv_memory_mb"]) * 2**20
+            num_pages = max(1, budget // kv_bytes_per_page(cfg, page_size, dt, tp))
         comm, remote = Comm(), None
         if tp > 1:
+            _check_tp(cfg, tp)
             import ray
             if not ray.is_initialized():
-                ray.init(address="auto")
+                ray.init()                # joins the running cluster if there is one
             init = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
             remote = start_remote_ranks(str(model_dir), dev, dt, num_pages, page_size, tp, init, num_threads)
             comm = TorchDistComm(0, tp, init, dev)
