@@ -96,10 +96,11 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def write_tiny_gguf(path: Path, arch: str = "llama", qtype: str = "F32", tied: bool = True,
                     pre: str = "smollm", rope_freqs: np.ndarray | None = None,
-                    seed: int = 0) -> dict[str, torch.Tensor]:
+                    metadata: dict[str, str | float] | None = None, seed: int = 0) -> dict[str, torch.Tensor]:
     """Write a 2-layer model as llama.cpp would and return the Hugging Face tensors it must import to.
 
-    Matrices are stored as `qtype` ("F32", "F16" or "Q8_0"); norms and biases stay F32.
+    Matrices are stored as `qtype` ("F32", "F16", "BF16" or "Q8_0"); norms and biases stay F32.
+    `metadata` adds key-values (str, or float stored as float32).
     """
     import gguf
     from gguf import GGMLQuantizationType as Q
@@ -129,6 +130,8 @@ def write_tiny_gguf(path: Path, arch: str = "llama", qtype: str = "F32", tied: b
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_chat_template(TINY_TEMPLATE)
+    for key, value in (metadata or {}).items():
+        writer.add_string(key, value) if isinstance(value, str) else writer.add_float32(key, value)
 
     expected: dict[str, torch.Tensor] = {}
 
@@ -141,6 +144,9 @@ def write_tiny_gguf(path: Path, arch: str = "llama", qtype: str = "F32", tied: b
         elif qtype == "F16":
             writer.add_tensor(gguf_name, stored.astype(np.float16))
             expected[hf_name] = torch.from_numpy(w.astype(np.float16))
+        elif qtype == "BF16":
+            writer.add_tensor(gguf_name, quantize(stored, Q.BF16), raw_dtype=Q.BF16)
+            expected[hf_name] = torch.from_numpy(w).to(torch.bfloat16)
         else:
             writer.add_tensor(gguf_name, quantize(stored, Q[qtype]), raw_dtype=Q[qtype])
             # quantization blocks lie within rows, so it commutes with the row permutation

@@ -55,7 +55,8 @@ def test_default_model_config(default_model_dir):
 
 
 @pytest.mark.parametrize("arch,qtype,tied", [
-    ("llama", "F32", True), ("llama", "Q8_0", False), ("qwen2", "F16", False), ("qwen3", "Q8_0", True)])
+    ("llama", "F32", True), ("llama", "Q8_0", False), ("llama", "BF16", True),
+    ("qwen2", "F16", False), ("qwen3", "Q8_0", True)])
 def test_tiny_gguf_imports_to_the_original_tensors(tiny_gguf, tmp_path, arch, qtype, tied):
     import transformers
 
@@ -73,7 +74,7 @@ def test_tiny_gguf_imports_to_the_original_tensors(tiny_gguf, tmp_path, arch, qt
     assert cfg.attention_bias == (arch == "qwen2") and cfg.qk_norm == (arch == "qwen3")
     assert cfg.head_dim == (32 if arch == "qwen3" else 16) and cfg.rms_norm_eps == 1e-6
     assert json.loads((folder / "config.json").read_text())["torch_dtype"] == (
-        {"F32": "float32", "F16": "float16"}.get(qtype, "float32"))
+        {"F16": "float16", "BF16": "bfloat16"}.get(qtype, "float32"))
 
     # transformers reads the folder as the same model: config.json is a valid Hugging Face config.
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -92,6 +93,22 @@ def test_gguf_import_writes_shards_with_an_index(tiny_gguf, tmp_path):
     checkpoint = load_checkpoint(folder)
     assert len(checkpoint.files) == len(shards)
     assert {k: v for k, v in checkpoint.weights()}.keys() == expected.keys()
+
+
+@pytest.mark.parametrize("metadata,want", [
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),
+    ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+      "llama.rope.scaling.original_context_length": 32768.0},
+     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
+    ({"llama.rope.scaling.type": "longrope"}, UnsupportedModel),
+])
+def test_rope_scaling_metadata(tiny_gguf, tmp_path, metadata, want):
+    path, _ = tiny_gguf("llama", metadata=metadata)
+    if want is UnsupportedModel:
+        with pytest.raises(UnsupportedModel, match="longrope"):
+            import_gguf(path, tmp_path / "out", progress=False)
+    else:
+        assert load_checkpoint(import_gguf(path, tmp_path / "out", progress=False)).config.rope_scaling == want
 
 
 def llama3_factors(theta: float, dim: int, factor: float) -> np.ndarray:

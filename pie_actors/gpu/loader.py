@@ -141,13 +141,15 @@ def import_gguf(path: str | Path, out_dir: str | Path, progress: bool = True,
     if "token_embd.weight" not in by_name:
         raise ModelLoadError(f"{path}: no token_embd.weight tensor; not a language model GGUF")
     config = _hf_config(path, meta, by_name)
+    # rope_freqs is folded into config.json's rope_scaling; name every other tensor before the slow part.
+    hf_names = {t.name: _hf_name(path, t.name) for t in tensors if t.name != "rope_freqs.weight"}
     out_dir.mkdir(parents=True, exist_ok=True)
 
     writer = _ShardWriter(out_dir, max_shard_bytes)
     for t in tqdm(tensors, desc=f"importing {path.name}", unit="tensor", disable=not progress):
-        if t.name == "rope_freqs.weight":
-            continue  # folded into config.json's rope_scaling by _hf_config
-        hf_name = _hf_name(path, t.name)
+        if t.name not in hf_names:
+            continue
+        hf_name = hf_names[t.name]
         w = _tensor(path, t)
         if arch == "llama" and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             heads = config["num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"]
