@@ -24,6 +24,7 @@ DEFAULTS: dict[str, Any] = {
     "kv_memory_mb": 1024,
     "max_batch_tokens": 4096,
     "tp": 1,
+    "compile": False,
 }
 _DOCS = {
     "model": "model to serve: a name from `pie model list`, a model folder or a .gguf file",
@@ -33,6 +34,8 @@ _DOCS = {
     "kv_memory_mb": "memory for the KV-cache page pool, per worker",
     "max_batch_tokens": "most tokens one batched forward pass may hold",
     "tp": "tensor-parallel degree (number of GPU workers a model is split over)",
+    "compile": "run decode batches through torch.compile (faster steady state; each batch-size bucket "
+               "compiles once, which takes a minute or more on a CPU)",
 }
 
 
@@ -46,7 +49,7 @@ def config_path() -> Path:
 
 
 def _toml_value(value: Any) -> str:
-    return json.dumps(value) if isinstance(value, str) else str(value)  # JSON strings are valid TOML strings
+    return json.dumps(value)  # JSON strings, numbers and booleans are valid TOML values
 
 
 def init_config(force: bool = False) -> Path:

@@ -100,7 +100,7 @@ class Engine:
     def from_model(cls, model: str = "", *, device: str | None = None, dtype: str | None = None,
                    page_size: int | None = None, kv_memory_mb: int | None = None, num_pages: int | None = None,
                    max_batch_tokens: int | None = None, tp: int | None = None,
-                   num_threads: int | None = None) -> "Engine":
+                   num_threads: int | None = None, compile: bool | None = None) -> "Engine":
         """Build an engine from a model store name or folder; unset options come from the config file.
 
         The KV pool is `num_pages` pages, or as many as fit in `kv_memory_mb` per rank.
@@ -126,8 +126,10 @@ class Engine:
             init = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
             remote = start_remote_ranks(str(model_dir), dev, dt, num_pages, page_size, tp, init, num_threads)
             comm = TorchDistComm(0, tp, init, dev)
+        # Compiled decode graphs would need traceable collectives; tensor-parallel ranks run eager.
+        compile = (conf["compile"] if compile is None else compile) and tp == 1
         worker = Worker(model_dir, device=dev, dtype=dt, num_pages=num_pages, page_size=page_size,
-                        comm=comm, num_threads=num_threads)
+                        comm=comm, num_threads=num_threads, compile=compile)
         return cls(worker, KVStore(num_pages, page_size), tokenizer,
                    max_batch_tokens or conf["max_batch_tokens"], remote)
 

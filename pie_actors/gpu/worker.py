@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from .attention import AttentionMetadata, LanePlan
+from .compiled_decode import CompiledDecode
 from .loader import load_checkpoint
 from .models import ModelConfig, build_model
 from .tp import Comm, TorchDistComm
@@ -37,7 +38,8 @@ class Worker:
     """One rank: the model shard plus per-layer K and V caches of shape [num_pages * page_size, kv_heads, head_dim]."""
 
     def __init__(self, model_dir: str | Path, *, device: torch.device, dtype: torch.dtype,
-                 num_pages: int, page_size: int, comm: Comm | None = None, num_threads: int | None = None):
+                 num_pages: int, page_size: int, comm: Comm | None = None, num_threads: int | None = None,
+                 compile: bool = False):
         if num_threads and device.type == "cpu":
             torch.set_num_threads(num_threads)   # Ray sets OMP_NUM_THREADS=1 inside actors
         self.comm = comm or Comm()
@@ -54,10 +56,12 @@ class Worker:
         self.model.load_weights(ckpt.weights())
         self.model.eval()
         heads = self.cfg.num_kv_heads // self.comm.world_size
-        shape = (num_pages * page_size, heads, self.cfg.head_dim)
+        # One page past the pool: a scratch page for the padding rows of compiled decode batches.
+        shape = ((num_pages + 1) * page_size, heads, self.cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(self.cfg.num_layers)]
+        self.compiled = CompiledDecode(self.model, self.kv_caches, page_size, num_pages) if compile else None
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> torch.Tensor:
@@ -66,6 +70,9 @@ class Worker:
             self._copy_pages(plan.copies)
         if not plan.input_ids:
             return torch.empty(0, self.cfg.vocab_size, device=self.device)
+        if (self.compiled and CompiledDecode.accepts(plan.lanes)
+                and plan.readout == list(range(len(plan.lanes)))):
+            return self.compiled.run(plan.input_ids, plan.positions, plan.write_slots, plan.lanes)
         dev = self.device
         ids = torch.tensor(plan.input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(plan.positions, dtype=torch.long, device=dev)
