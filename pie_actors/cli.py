@@ -70,7 +70,49 @@ def _add_config(sub: argparse._SubParsersAction) -> None:
     init.set_defaults(handler=_config_init)
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_model, _add_config]
+# --- pie generate ---------------------------------------------------------------------------------
+
+def _generate(args: argparse.Namespace) -> int:
+    from .gpu.engine import Engine
+
+    engine = Engine.from_model(args.model or "", device=args.device, dtype=args.dtype)
+    tok = engine.tokenizer
+    if args.chat:
+        if tok.chat_template is None:
+            raise ValueError(f"model {args.model or config.load_config()['model']!r} has no chat template")
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                   [{"role": "user", "content": args.prompt}]
+        text = tok.chat_template.render(messages, add_generation_prompt=True)
+    else:
+        text = (tok.bos_token or "") * tok.add_bos_token + args.prompt
+    reply: list[int] = []
+    shown = ""
+
+    def show(_: int, token: int) -> None:
+        nonlocal shown
+        reply.append(token)
+        decoded = tok.decode(reply, skip_special=True)
+        print(decoded[len(shown):], end="", flush=True)
+        shown = decoded
+
+    engine.generate([tok.encode(text)], args.max_tokens, on_token=show)
+    print()
+    return 0
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    gen = sub.add_parser("generate", help="greedy completion of one prompt through the engine, streamed")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="format the prompt with the model's chat template")
+    gen.add_argument("--system", help="system message (with --chat)")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--model", help="model name or path (default: the configured model)")
+    gen.add_argument("--device", help="cpu, cuda, cuda:N (default: config)")
+    gen.add_argument("--dtype", help="float32, bfloat16, float16 (default: config)")
+    gen.set_defaults(handler=_generate)
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_model, _add_config, _add_generate]
 
 
 def build_parser() -> argparse.ArgumentParser:

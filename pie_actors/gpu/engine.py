@@ -326,8 +326,11 @@ class Engine:
 
     # ---- convenience -------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *, ignore_eos: bool = False,
-                 stop: set[int] | None = None) -> list[list[int]]:
-        """Greedy decoding of several prompts batched together; returns the new tokens of each."""
+                 stop: set[int] | None = None,
+                 on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
+        """Greedy decoding of several prompts batched together; returns the new tokens of each.
+
+        `on_token(prompt_index, token)` is called as each token arrives (streaming)."""
         stop = set() if ignore_eos else set(stop if stop is not None else self.cfg.eos_token_ids)
         seqs = [self.create_sequence() for _ in prompts]
         outputs: list[list[int]] = [[] for _ in prompts]
@@ -342,6 +345,8 @@ class Engine:
                 for i, fut in zip(list(live), futures):
                     token = fut.result()
                     outputs[i].append(token)
+                    if on_token:
+                        on_token(i, token)
                     inputs[i] = [token]
                     if token in stop:
                         live.remove(i)
