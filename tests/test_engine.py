@@ -186,6 +186,19 @@ def test_multi_lane_pass_rolls_back_every_lane(engine):
     engine.free(a), engine.free(b)
 
 
+def test_failed_pass_returns_reused_prefix_pages(engine):
+    prompt = engine.tokenizer.encode("Some words to make a prefix that fills pages. " * 6)
+    engine.generate([prompt], 1)                 # now cached: a second sequence would reuse it
+    before = engine.kv.stats()
+    a, b = engine.create_sequence(), engine.create_sequence()
+    fut = engine.submit(PassRequest([Lane(a, prompt + [13]), Lane(b, [1, 2], kv_len=99)]))
+    engine.run_until_idle()
+    assert isinstance(fut.exception(), PassError)
+    assert (engine.kv.length(a), engine.kv.folded(a), engine.kv.cached_tokens(a)) == (0, 0, 0)
+    assert engine.kv.stats() == before
+    engine.free(a), engine.free(b)
+
+
 def test_failing_epilogue_fails_only_its_pass(engine):
     seq = engine.create_sequence()
     err = _run_with_good_neighbour(engine, PassRequest([Lane(seq, [1, 2])], lambda l: 1 / 0))

@@ -192,6 +192,30 @@ def test_explicit_geometry_reserve_and_slots_for():
     store.check()
 
 
+def test_rollback_undoes_an_append_with_reused_prefix_pages():
+    store = KVStore(num_pages=32, page_size=PS)
+    a = filled(store, toks(64))
+    b = filled(store, toks(16, 3000))           # b: one frozen page, then appends the next 48 tokens
+    before = store.stats()
+    mark = store.mark(b)
+    c = store.create()
+    mark_c = store.mark(c)
+    plan = store.append(c, toks(64) + [7])
+    assert plan.reused == 64 and store.folded(c) == 64
+    store.append(b, toks(48, 4000))
+    store.rollback(mark)
+    store.rollback(mark_c)
+    assert (store.length(c), store.folded(c), store.cached_tokens(c)) == (0, 0, 0)
+    assert (store.length(b), store.folded(b)) == (16, 16)
+    assert store.stats() == before              # reused pages handed back to a, nothing leaked
+    store.check()
+    # after the rollback the same append reuses the prefix again
+    assert store.append(c, toks(64) + [7]).reused == 64
+    for seq in (a, b, c):
+        store.free(seq)
+    store.check()
+
+
 def test_truncate_releases_pages():
     store = KVStore(num_pages=8, page_size=PS)
     seq = store.create()

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import load_config, pick_device, pick_dtype
-from ..kvstore import KVStore, KVStoreError
+from ..kvstore import KVStore, KVStoreError, Mark
 from ..model_store import resolve_model
 from .attention import LanePlan
 from .loader import load_checkpoint
@@ -65,7 +65,7 @@ class _Planned:
     request: PassRequest
     rows: slice                           # its readout rows in the batch's logits
     commits: list[tuple[int, int | None]] # (seq, fold_to) to commit after the batch ran
-    undo: list[tuple[int, int]]           # (seq, length) to roll back to if the batch fails
+    undo: list[Mark]                      # sequence extents to roll back to if the batch fails
 
 
 def _free_port() -> int:
@@ -200,7 +200,7 @@ class Engine:
             raise PassError("two lanes of one pass update the same sequence")
         for i, lane in enumerate(req.lanes):
             self._validate(i, lane)
-        undo: list[tuple[int, int]] = []
+        undo: list[Mark] = []
         mark = (len(plan.input_ids), len(plan.lanes), len(plan.readout))
         try:
             commits = [self._plan_lane(lane, plan, undo) for lane in req.lanes]
@@ -211,10 +211,10 @@ class Engine:
             raise
         return _Planned(req, slice(mark[2], len(plan.readout)), commits, undo)
 
-    def _rollback(self, undo: list[tuple[int, int]]) -> None:
-        for seq, length in reversed(undo):
+    def _rollback(self, undo: list[Mark]) -> None:
+        for mark in reversed(undo):
             try:
-                self.kv.truncate(seq, length)
+                self.kv.rollback(mark)
             except KVStoreError:
                 pass                      # the sequence was freed meanwhile: nothing left to undo
 
@@ -236,15 +236,14 @@ class Engine:
         if lane.readout is not None and not all(0 <= r < n for r in lane.readout):
             raise PassError(f"lane {i}: readout rows {lane.readout} outside the lane's {n} rows")
 
-    def _plan_lane(self, lane: Lane, plan: BatchPlan, undo: list[tuple[int, int]]) -> tuple[int, int | None]:
+    def _plan_lane(self, lane: Lane, plan: BatchPlan, undo: list[Mark]) -> tuple[int, int | None]:
         kv, seq, n = self.kv, lane.seq, len(lane.tokens)
         canonical = lane.positions is None and lane.mask is None
-        undo.append((seq, kv.length(seq)))
+        undo.append(kv.mark(seq))
         if lane.slots is None:
             appended = kv.append(seq, lane.tokens, canonical=canonical,
                                  reuse_prefix=canonical and lane.readout is None)
             skip, write, q_slots = appended.reused, appended.slots, None
-            undo[-1] = (seq, appended.start)   # reused rows were frozen at once; they stay
             positions = (list(range(appended.start, appended.start + n - skip)) if lane.positions is None
                          else lane.positions[skip:])
         else:

@@ -2,13 +2,14 @@
 
 from .pool import InvalidSlot, KVStoreError, OutOfPages, UnknownSequence
 from .prefix import chain_key
-from .store import AppendPlan, KVStore
+from .store import AppendPlan, KVStore, Mark
 
 __all__ = [
     "AppendPlan",
     "InvalidSlot",
     "KVStore",
     "KVStoreError",
+    "Mark",
     "OutOfPages",
     "UnknownSequence",
     "chain_key",

@@ -23,6 +23,15 @@ class AppendPlan:
     start: int  # sequence index (== position) of the first remaining token
 
 
+@dataclass(frozen=True)
+class Mark:
+    seq: int
+    length: int
+    folded: int
+    cached_tokens: int
+    keys: int
+
+
 @dataclass
 class _Seq:
     pages: list[int] = field(default_factory=list)
@@ -203,6 +212,20 @@ class KVStore:
         for page in reversed(s.pages[keep:]):
             self._pool.decref(page)
         del s.pages[keep:]
+
+    def mark(self, seq: int) -> "Mark":
+        """The sequence's extent now, for `rollback` if the pass being planned fails."""
+        s = self._get(seq)
+        return Mark(seq, s.length, s.folded, s.cached_tokens, len(s.keys))
+
+    def rollback(self, mark: "Mark") -> None:
+        """Undo every append and slot write since `mark`, prefix pages attached by append included
+        (they were frozen at once, so `truncate` cannot remove them). Only valid before the next
+        commit of the sequence, which is how the engine uses it: plan, fail, roll back."""
+        s = self._get(mark.seq)
+        s.folded, s.cached_tokens = mark.folded, mark.cached_tokens
+        del s.keys[mark.keys:]
+        self.truncate(mark.seq, mark.length)
 
     # -- queries --------------------------------------------------------------------------------
 
