@@ -1,0 +1,166 @@
+"""Benchmark pie_actors' Engine against transformers, a plain torch loop and llama.cpp on the same weights.
+
+    python bench/engine.py [--systems engine,transformers,torch,llamacpp] [--dtype bfloat16,float32]
+                           [--tokens 64] [--quick] [--out bench/RESULTS.md --title "..."]
+
+Prints a markdown table (decode tokens/s at batch 1, 8, 32; prefill tokens/s of a 512-token prompt),
+then the engine's speed divided by each other system's. A system that cannot be imported shows
+"unavailable: <reason>" in its row.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import shlex
+import sys
+import traceback
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any, Callable
+
+os.environ.setdefault("TQDM_DISABLE", "1")  # before torch imports tqdm; see baselines.py
+
+import torch
+
+from baselines import Speed, by_subtraction, llama_cpp, measure, torch_loop, transformers_generate
+from gguf_variants import default_gguf, variant
+
+SYSTEMS = ("engine", "transformers", "torch", "llamacpp")
+BATCHES = (1, 8, 32)
+DECODE_PROMPT_LEN = 32
+PREFILL_PROMPT_LEN = 512
+THREADS = os.cpu_count() or 1
+# llama.cpp has no bf16 matmul path worth comparing on CPU; F16 is its 16-bit storage type
+LLAMA_CPP_TYPE = {"bfloat16": "F16", "float32": "F32"}
+
+# (batch, prompt_len, new_tokens, repeats) -> Speed
+SpeedFn = Callable[[int, int, int, int], Speed]
+
+
+@dataclass
+class Row:
+    system: str
+    weights: str
+    decode: dict[int, float] = field(default_factory=dict)  # batch -> tokens/s
+    prefill: float = math.nan
+    note: str = ""  # "unavailable: ..." / "failed: ..." replaces the numbers
+
+
+@cache
+def pie_engine(dtype: str) -> Any:
+    from pie_actors.gpu.engine import Engine
+    return Engine.from_model("smollm2-135m-instruct", device="cpu", dtype=dtype)
+
+
+def engine_speed(dtype: str) -> SpeedFn:
+    engine = pie_engine(dtype)  # import/construct here so a missing engine marks only its row
+    def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
+        return engine.generate(prompts, max_new_tokens=n, ignore_eos=True)
+    return lambda b, length, n, repeats: measure(by_subtraction(generate), b, length, n, repeats)
+
+
+def speed_fn(system: str, dtype: str) -> tuple[str, SpeedFn]:
+    """(weights label, speed function) for one table row."""
+    gguf = default_gguf()  # Q4_1; transformers and the torch loop dequantize it to `dtype`
+    if system == "engine":
+        return dtype, engine_speed(dtype)
+    if system == "transformers":
+        return dtype, lambda b, length, n, r: transformers_generate(gguf, length, n, b, dtype, r)
+    if system == "torch":
+        return dtype, lambda b, length, n, r: torch_loop(gguf, length, n, b, dtype, r)
+    if system == "llamacpp":
+        import llama_cpp as _  # noqa: F401  fail fast (unavailable) before writing a GGUF variant
+        kind = dtype if dtype == "Q4_1" else LLAMA_CPP_TYPE[dtype]
+        path = variant(kind)
+        return f"GGUF {kind}", lambda b, length, n, r: llama_cpp(path, length, n, THREADS, r)
+    raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
+
+
+def bench_row(system: str, dtype: str, new_tokens: int, repeats: int) -> Row:
+    torch.set_num_threads(THREADS)  # a system under test may have changed it; every row starts equal
+    row = Row(system, dtype)
+    try:
+        row.weights, fn = speed_fn(system, dtype)
+        for b in (1,) if system == "llamacpp" else BATCHES:  # llama.cpp: single stream only
+            row.decode[b] = fn(b, DECODE_PROMPT_LEN, new_tokens, repeats).decode
+            print(f"  {system} {row.weights} batch {b}: {row.decode[b]:.1f} tok/s", file=sys.stderr)
+        row.prefill = fn(1, PREFILL_PROMPT_LEN, 1, repeats).prefill
+    except ImportError as e:
+        row.note = f"unavailable: {e}"
+    except Exception as e:  # keep the other rows of a long run; the traceback goes to stderr
+        traceback.print_exc()
+        row.note = f"failed: {type(e).__name__}: {e}"
+    return row
+
+
+def fmt(x: float | None) -> str:
+    return "–" if x is None or math.isnan(x) else f"{x:.1f}"
+
+
+def table(rows: list[Row]) -> str:
+    head = ["system", "weights", *(f"decode B={b}" for b in BATCHES), f"prefill {PREFILL_PROMPT_LEN}"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r.note, *[""] * len(BATCHES)] if r.note else \
+            [*(fmt(r.decode.get(b)) for b in BATCHES), fmt(r.prefill)]
+        lines.append("| " + " | ".join([r.system, r.weights, *cells]) + " |")
+    return "\n".join(lines)
+
+
+def ratios(rows: list[Row]) -> str:
+    """Engine tokens/s divided by each other system's (>1: the engine is faster), against the engine
+    row of the same dtype; llama.cpp F16 and Q4_1 rows compare with the engine in bfloat16."""
+    engines = {r.weights: r for r in rows if r.system == "engine" and not r.note}
+    if not engines:
+        return "No engine numbers: ratios skipped."
+    as_dtype = {"GGUF F16": "bfloat16", "GGUF Q4_1": "bfloat16", "GGUF F32": "float32"}
+    head = ["engine ÷", "weights", *(f"decode B={b}" for b in BATCHES), f"prefill {PREFILL_PROMPT_LEN}"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        e = engines.get(as_dtype.get(r.weights, r.weights))
+        if r.system == "engine" or r.note or e is None:
+            continue
+        cells = [e.decode.get(b, math.nan) / r.decode.get(b, math.nan) for b in BATCHES]
+        lines.append("| " + " | ".join([r.system, r.weights, *(fmt(c) + "×" if not math.isnan(c) else "–"
+                                                                    for c in cells),
+                                          fmt(e.prefill / r.prefill) + "×"]) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--dtype", default="bfloat16,float32", help="comma list of bfloat16, float32")
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens per sequence in decode runs")
+    ap.add_argument("--quick", action="store_true", help="16 tokens, 1 repeat: a smoke run, noisy numbers")
+    ap.add_argument("--out", help="append the tables, command line and date to this markdown file")
+    ap.add_argument("--title", default="Benchmark", help="heading of the section --out appends")
+    args = ap.parse_args()
+    new_tokens, repeats = (16, 1) if args.quick else (args.tokens, 3)
+    systems = args.systems.split(",")
+    dtypes = args.dtype.split(",")
+
+    load_before = os.getloadavg()[0]  # other processes on 2 cores skew every number: record them
+    rows = [bench_row(s, d, new_tokens, repeats) for d in dtypes for s in systems]
+    if "llamacpp" in systems:  # the shipped quantized file: llama.cpp's best case, for reference
+        rows.append(bench_row("llamacpp", "Q4_1", new_tokens, repeats))
+
+    llama_version = getattr(sys.modules.get("llama_cpp"), "__version__", "n/a")
+    env = (f"{platform.processor() or platform.machine()}, {THREADS} threads, torch {torch.__version__}, "
+           f"llama-cpp-python {llama_version}; SmolLM2-135M-Instruct; {new_tokens} new tokens, "
+           f"decode prompt {DECODE_PROMPT_LEN} tokens, median of {repeats}; "
+           f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
+    report = f"{table(rows)}\n\n{ratios(rows)}\n"
+    print(f"\n{env}\n\n{report}")
+    if args.out:
+        command = shlex.join(["python", *sys.argv])
+        date = datetime.datetime.now().isoformat(timespec="seconds")
+        with open(args.out, "a") as f:
+            f.write(f"\n## {args.title}\n\n`{command}` — {date}\n\n{env}\n\n{report}")
+
+
+if __name__ == "__main__":
+    main()
