@@ -28,7 +28,7 @@ import torch
 from baselines import Speed, by_subtraction, llama_cpp, measure, torch_loop, transformers_generate
 from gguf_variants import default_gguf, variant
 
-SYSTEMS = ("engine", "transformers", "torch", "llamacpp")
+SYSTEMS = ("engine", "engine-compiled", "transformers", "torch", "llamacpp")
 BATCHES = (1, 8, 32)
 DECODE_PROMPT_LEN = 32
 PREFILL_PROMPT_LEN = 512
@@ -50,13 +50,13 @@ class Row:
 
 
 @cache
-def pie_engine(dtype: str) -> Any:
+def pie_engine(dtype: str, compile: bool) -> Any:
     from pie_actors.gpu.engine import Engine
-    return Engine.from_model("smollm2-135m-instruct", device="cpu", dtype=dtype)
+    return Engine.from_model("smollm2-135m-instruct", device="cpu", dtype=dtype, compile=compile)
 
 
-def engine_speed(dtype: str) -> SpeedFn:
-    engine = pie_engine(dtype)  # import/construct here so a missing engine marks only its row
+def engine_speed(dtype: str, compile: bool) -> SpeedFn:
+    engine = pie_engine(dtype, compile)  # import/construct here so a missing engine marks only its row
     def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
         return engine.generate(prompts, max_new_tokens=n, ignore_eos=True)
     return lambda b, length, n, repeats: measure(by_subtraction(generate), b, length, n, repeats)
@@ -65,8 +65,8 @@ def engine_speed(dtype: str) -> SpeedFn:
 def speed_fn(system: str, dtype: str) -> tuple[str, SpeedFn]:
     """(weights label, speed function) for one table row."""
     gguf = default_gguf()  # Q4_1; transformers and the torch loop dequantize it to `dtype`
-    if system == "engine":
-        return dtype, engine_speed(dtype)
+    if system in ("engine", "engine-compiled"):
+        return dtype, engine_speed(dtype, compile=system == "engine-compiled")
     if system == "transformers":
         return dtype, lambda b, length, n, r: transformers_generate(gguf, length, n, b, dtype, r)
     if system == "torch":
@@ -112,16 +112,17 @@ def table(rows: list[Row]) -> str:
 
 def ratios(rows: list[Row]) -> str:
     """Engine tokens/s divided by each other system's (>1: the engine is faster), against the engine
-    row of the same dtype; llama.cpp F16 and Q4_1 rows compare with the engine in bfloat16."""
+    row of the same dtype (compiled when it ran); llama.cpp F16 and Q4_1 rows compare with bfloat16."""
     engines = {r.weights: r for r in rows if r.system == "engine" and not r.note}
+    engines.update({r.weights: r for r in rows if r.system == "engine-compiled" and not r.note})
     if not engines:
         return "No engine numbers: ratios skipped."
     as_dtype = {"GGUF F16": "bfloat16", "GGUF Q4_1": "bfloat16", "GGUF F32": "float32"}
-    head = ["engine ÷", "weights", *(f"decode B={b}" for b in BATCHES), f"prefill {PREFILL_PROMPT_LEN}"]
+    head = ["engine ÷ (same dtype)", "weights", *(f"decode B={b}" for b in BATCHES), f"prefill {PREFILL_PROMPT_LEN}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         e = engines.get(as_dtype.get(r.weights, r.weights))
-        if r.system == "engine" or r.note or e is None:
+        if r is e or r.note or e is None:
             continue
         cells = [e.decode.get(b, math.nan) / r.decode.get(b, math.nan) for b in BATCHES]
         lines.append("| " + " | ".join([r.system, r.weights, *(fmt(c) + "×" if not math.isnan(c) else "–"

@@ -31,8 +31,8 @@ def test_compiled_decode_matches_eager(tmp_path):
     want = _decode_logits(eager, prompts, 12)
     torch._dynamo.utils.counters.clear()
     got = _decode_logits(compiled, prompts, 12)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1    # no recompiles across steps
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1    # the KV span grew over 4 pages: no recompile
     for w, c in zip(want, got):
         torch.testing.assert_close(c, w, atol=1e-4, rtol=1e-4)
-    assert compiled.worker.compiled.shapes == {(4, 16)}     # padded batch bucket, one KV span bucket
+    assert compiled.worker.compiled.batch_sizes == {4}       # 3 lanes padded to the bucket of 4
     compiled.kv.check()
