@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+try:                                      # Triton ships with CUDA builds of torch
+    from .triton_attention import paged_decode_attention
+except ImportError:
+    paged_decode_attention = None
+
 
 @dataclass
 class LanePlan:
@@ -27,9 +32,12 @@ class LanePlan:
 
 @dataclass
 class _Group:
-    """Decode lanes batched together: rows [B], gather index [B, S], mask [B, 1, 1, S]."""
+    """Decode lanes batched together: rows [B], page table [B, P] and attended slots [B] (the
+    Triton kernel reads those), or the same as a gather index [B, S] and mask [B, 1, 1, S]."""
 
     rows: torch.Tensor
+    pages: torch.Tensor
+    lengths: torch.Tensor
     index: torch.Tensor
     mask: torch.Tensor
 
@@ -45,6 +53,7 @@ class _Single:
 @dataclass
 class AttentionMetadata:
     write_slots: torch.Tensor             # [T] global slot each row's K/V is written to
+    page_size: int
     decode: _Group | None = None
     singles: list[_Single] = field(default_factory=list)
 
@@ -52,7 +61,7 @@ class AttentionMetadata:
     def build(cls, lanes: list[LanePlan], write_slots: list[int], page_size: int,
               device: torch.device) -> "AttentionMetadata":
         """Gather indices and masks for a batch, built once and used by every layer."""
-        meta = cls(torch.tensor(write_slots, dtype=torch.long, device=device))
+        meta = cls(torch.tensor(write_slots, dtype=torch.long, device=device), page_size)
         offsets = torch.arange(page_size, device=device)
         decode = [l for l in lanes if l.q_len == 1 and l.mask is None]
         if decode:
@@ -60,13 +69,12 @@ class AttentionMetadata:
             pages = torch.tensor([l.pages + [0] * (max_pages - len(l.pages)) for l in decode],
                                  dtype=torch.long, device=device)
             index = (pages.unsqueeze(-1) * page_size + offsets).flatten(1)        # [B, S]
-            last = torch.tensor([(l.q_slots[0] if l.q_slots else l.kv_len - 1) for l in decode],
-                                device=device)
-            kv_len = torch.tensor([l.kv_len for l in decode], device=device)
-            pos = torch.arange(index.shape[1], device=device)
-            mask = (pos < kv_len.unsqueeze(1)) & (pos <= last.unsqueeze(1))
+            # a row attends slots up to its own (causal), within kv_len
+            lengths = torch.tensor([min(l.kv_len, l.q_slots[0] + 1 if l.q_slots else l.kv_len)
+                                    for l in decode], dtype=torch.int32, device=device)
+            mask = torch.arange(index.shape[1], device=device) < lengths.unsqueeze(1)
             rows = torch.tensor([l.q_start for l in decode], dtype=torch.long, device=device)
-            meta.decode = _Group(rows, index, mask[:, None, None, :])
+            meta.decode = _Group(rows, pages, lengths, index, mask[:, None, None, :])
         for l in lanes:
             if l.q_len == 1 and l.mask is None:
                 continue
@@ -119,8 +127,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     gqa = q.shape[1] != k.shape[1]
     if meta.decode is not None:
         g = meta.decode
-        out.index_copy_(0, g.rows, _decode_attention(q.index_select(0, g.rows), _gather(k_cache, g.index),
-                                                     _gather(v_cache, g.index), g.mask))
+        qd = q.index_select(0, g.rows)
+        if q.is_cuda and paged_decode_attention is not None:
+            o = paged_decode_attention(qd, k_cache, v_cache, g.pages, g.lengths, page_size=meta.page_size)
+        else:
+            o = _decode_attention(qd, _gather(k_cache, g.index), _gather(v_cache, g.index), g.mask)
+        out.index_copy_(0, g.rows, o)
     for s in meta.singles:
         # Batched 4-D inputs: CPU SDPA takes its flash kernel only for those (3-D: the math path, 3x slower).
         qs = q[s.start:s.end].transpose(0, 1).unsqueeze(0)                 # [1, Hq, L, D]

@@ -46,6 +46,7 @@ class CompiledDecode:
                                        self.page_size, self.device)
         torch._dynamo.mark_dynamic(meta.decode.index, 1)
         torch._dynamo.mark_dynamic(meta.decode.mask, 3)
+        torch._dynamo.mark_dynamic(meta.decode.pages, 1)
         self.batch_sizes.add(batch)
         ids = torch.tensor(input_ids + [0] * len(padding), device=self.device)
         pos = torch.tensor(positions + [0] * len(padding), device=self.device)
