@@ -100,7 +100,7 @@ def list_models() -> list[dict[str, Any]]:
 
 def resolve_model(name_or_path: str | Path) -> Path:
     """The folder to load for `name_or_path`: a model folder as is, a .gguf file (imported on first use),
-    or the name of a stored model (the default model is imported on first use)."""
+    or the name of a stored model (the default model is imported, and the dummy model created, on first use)."""
     text = str(name_or_path)
     path = Path(text).expanduser()
     if path.is_dir():
@@ -116,11 +116,69 @@ def resolve_model(name_or_path: str | Path) -> Path:
             return import_model(DEFAULT_MODEL)
         except FileExistsError:  # another process imported it meanwhile
             return models_dir() / DEFAULT_MODEL
+    if text == DUMMY_MODEL:
+        try:
+            return _install(DUMMY_MODEL, _write_dummy, {"kind": "builtin", "source": DUMMY_MODEL}, force=False)
+        except FileExistsError:
+            return models_dir() / DUMMY_MODEL
     for entry in list_models():  # a hub repo id imported earlier
         if entry["source"] == text:
             return Path(entry["path"])
     names = [m["name"] for m in list_models()]
     raise UnknownModel(f"unknown model {text!r}; available: {names}; import it with `pie model import`")
+
+
+# --- the dummy model: a tiny random Llama speaking the default model's vocabulary -----------------------
+
+DUMMY_MODEL = "dummy"
+_DUMMY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2)
+_DUMMY_SEED = 0
+
+
+def _write_dummy(folder: Path) -> None:
+    """For control-plane tests and overhead benchmarks, where the model's cost should be negligible:
+    random weights (seeded, so every store holds the same model), the default model's tokenizer, so
+    text still round-trips."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    source = resolve_model(DEFAULT_MODEL)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        if (source / name).is_file():
+            shutil.copyfile(source / name, folder / name)
+    base = json.loads((source / "config.json").read_text(encoding="utf-8"))
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": base["vocab_size"],
+              **_DUMMY, "head_dim": _DUMMY["hidden_size"] // _DUMMY["num_attention_heads"], "rms_norm_eps": 1e-5,
+              "rope_theta": 10000.0, "max_position_embeddings": base["max_position_embeddings"],
+              "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": base.get("bos_token_id"),
+              "eos_token_id": base.get("eos_token_id"), "torch_dtype": "float32"}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+    rng = np.random.default_rng(_DUMMY_SEED)
+    hidden, ffn, head_dim = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+
+    def linear(rows: int, cols: int) -> np.ndarray:  # unit-variance outputs: logits stay distinct
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+
+    tensors = {"model.embed_tokens.weight": rng.standard_normal((config["vocab_size"], hidden)).astype(np.float32),
+               "model.norm.weight": np.ones(hidden, np.float32),
+               # Untied: through a tied head a random model repeats the token it is fed. Logits of
+               # std ~4 leave clear winners, so batching never flips a greedy token.
+               "lm_head.weight": linear(config["vocab_size"], hidden) * np.float32(4.0)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors |= {p + "self_attn.q_proj.weight": linear(heads * head_dim, hidden),
+                    p + "self_attn.k_proj.weight": linear(kv_heads * head_dim, hidden),
+                    p + "self_attn.v_proj.weight": linear(kv_heads * head_dim, hidden),
+                    p + "self_attn.o_proj.weight": linear(hidden, heads * head_dim),
+                    p + "mlp.gate_proj.weight": linear(ffn, hidden),
+                    p + "mlp.up_proj.weight": linear(ffn, hidden),
+                    p + "mlp.down_proj.weight": linear(hidden, ffn),
+                    p + "input_layernorm.weight": np.ones(hidden, np.float32),
+                    p + "post_attention_layernorm.weight": np.ones(hidden, np.float32)}
+    save_file(tensors, str(folder / "model.safetensors"))
 
 
 def _resolve_gguf(path: Path) -> Path:
