@@ -1,0 +1,383 @@
+"""The engine's data-plane server: the wire protocol (`pie_actors.protocol`) over TCP, served by asyncio.
+
+Per-pass traffic must not be a Ray method call (~0.8 ms each here; a socket round trip is ~50 µs), so
+inferlets reach the engine through this server. Each pass request goes to `Engine.submit`, and its
+future is bridged back to the event loop, so any number of passes can be in flight per connection.
+
+A connection owns the sequences it creates or forks. When it closes, however the inferlet ended
+(returned, raised, trapped, was killed), the server frees every sequence it still owns: that is
+what returns all of an inferlet's KV pages. Bad input fails its request only, never the connection.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from concurrent.futures import Future
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .. import protocol
+from ..config import load_config
+from ..kvstore import KVStoreError, UnknownSequence
+from .engine import Engine, Epilogue, Lane, PassError, PassRequest
+
+log = logging.getLogger(__name__)
+
+_HIGH_WATER = 1 << 20   # unsent response bytes above which a connection stops reading requests
+
+
+class BadRequest(ValueError):
+    """A request whose shape or field types are wrong."""
+
+
+class EpilogueError(RuntimeError):
+    """An epilogue failed on its logits, or returned something that cannot be sent."""
+
+
+# ---- epilogues: spec {"kind": ..., ...} -> function of the pass's readout logits [rows, vocab] ----------
+# They run on the engine thread, next to the logits; only their (small) outputs cross the wire.
+# The compiled epilogue IR (issue 4) plugs in as another kind.
+
+def _argmax(spec: dict[str, Any]) -> Epilogue:
+    return lambda logits: logits.argmax(-1).tolist()
+
+
+def _logits(spec: dict[str, Any]) -> Epilogue:
+    def rows(logits: torch.Tensor) -> Any:
+        data = logits.float().cpu().numpy().astype("<f4", copy=False).tobytes()
+        return protocol.tensor("f", list(logits.shape), data)
+    return rows
+
+
+EPILOGUES: dict[str, Callable[[dict[str, Any]], Epilogue]] = {"argmax": _argmax, "logits": _logits}
+
+
+def _epilogue(spec: Any) -> Epilogue:
+    if not isinstance(spec, dict) or spec.get("kind") not in EPILOGUES:
+        raise BadRequest(f"epilogue must be a map with 'kind' one of {sorted(EPILOGUES)}, got {spec!r:.80}")
+    run = EPILOGUES[spec["kind"]](spec)
+
+    def guarded(logits: torch.Tensor) -> Any:
+        try:
+            return run(logits)
+        except Exception as e:
+            raise EpilogueError(f"epilogue {spec['kind']!r} failed: {type(e).__name__}: {e}") from e
+    return guarded
+
+
+# ---- wire input validation ---------------------------------------------------------------------------
+
+def _int(value: Any, what: str) -> int:
+    if type(value) is not int:   # bool is an int subclass: refuse it too
+        raise BadRequest(f"{what} must be an integer, got {value!r:.40}")
+    return value
+
+
+def _ints(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or any(type(v) is not int for v in value):
+        raise BadRequest(f"{what} must be a list of integers, got {value!r:.60}")
+    return value
+
+
+def _mask(value: Any, what: str) -> list[list[bool]]:
+    if not isinstance(value, list) or not all(isinstance(r, list) and all(type(b) is bool for b in r)
+                                              for r in value):
+        raise BadRequest(f"{what} must be a list of lists of booleans")
+    return value
+
+
+def _optional(check: Callable[[Any, str], Any], value: Any, what: str) -> Any:
+    return None if value is None else check(value, what)
+
+
+_FIELDS = {"info": (), "create": (), "stats": (), "fork": ("seq",), "free": ("seq",),
+           "seq_state": ("seq",), "reserve": ("seq", "end"), "pass": ("lanes", "epilogue")}
+_LANE_FIELDS = {"seq", "tokens", "positions", "slots", "kv_len", "mask", "fold", "readout"}
+_KNOWN_ERRORS = (BadRequest, EpilogueError, PassError, KVStoreError)
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+        return uvloop.new_event_loop()
+    except ImportError:
+        return asyncio.new_event_loop()
+
+
+class EngineServer:
+    """Serves a started `Engine` (`engine.start()`) on a TCP port from its own event-loop thread."""
+
+    def __init__(self, engine: Engine, model_name: str = "", model_dir: str | Path = ""):
+        self.engine = engine
+        cfg = engine.cfg
+        self.info: protocol.Info = {
+            "model": model_name, "model_dir": str(model_dir), "architecture": cfg.architecture,
+            "vocab_size": cfg.vocab_size, "page_size": engine.kv.page_size,
+            "max_position": cfg.max_position_embeddings,
+            "eos_ids": list(engine.tokenizer.eos_ids if engine.tokenizer else cfg.eos_token_ids)}
+        self.address: tuple[str, int] | None = None
+        self._connections: set[_Connection] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
+        """Listen on host:port (0: any free port) and return the bound (host, port)."""
+        ready: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(host, port, ready), name="engine-server",
+                                        daemon=True)
+        self._thread.start()
+        self.address = ready.result()
+        return self.address
+
+    def close(self) -> None:
+        """Stop serving; open connections close and their sequences are freed."""
+        if self._thread is None:
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._thread = None
+
+    def stats(self) -> protocol.Stats:
+        with self.engine._lock:   # the engine's lock guards its KV store; it has no locked accessor
+            kv = self.engine.kv.stats()
+        # dict() of a Counter copies in C under the GIL: safe while the engine thread increments it
+        return {"batch_sizes": dict(self.engine.batch_sizes), "kv": kv,
+                "connections": len(self._connections),
+                "sequences": sum(len(c.owned) for c in list(self._connections))}
+
+    def _run(self, host: str, port: int, ready: Future) -> None:
+        loop = self._loop = _new_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            server = loop.run_until_complete(asyncio.start_server(self._serve, host, port))
+        except BaseException as e:
+            ready.set_exception(e)
+            loop.close()
+            return
+        ready.set_result(tuple(server.sockets[0].getsockname()[:2]))
+        loop.run_forever()
+        server.close()
+        tasks = [c.task for c in self._connections]
+        for task in tasks:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        loop.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = _Connection(self, writer)
+        self._connections.add(conn)
+        try:
+            while True:
+                try:
+                    body = await protocol.read_frame(reader)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                except protocol.FrameTooLarge as e:
+                    conn.send(protocol.error(None, "BadFrame", str(e)))
+                    return
+                conn.handle(body)
+                if writer.transport.get_write_buffer_size() > _HIGH_WATER:
+                    try:
+                        await writer.drain()
+                    except ConnectionError:
+                        return
+        finally:
+            self._connections.discard(conn)
+            conn.release()
+            writer.close()
+
+
+_PENDING = object()   # a handler's result when the reply comes later (a pass in the engine)
+
+
+class _Connection:
+    """One client: dispatches its requests and owns the sequences it created."""
+
+    def __init__(self, server: EngineServer, writer: asyncio.StreamWriter):
+        self.engine = server.engine
+        self.server = server
+        self.writer = writer
+        self.loop = asyncio.get_running_loop()
+        self.task = asyncio.current_task()
+        self.owned: set[int] = set()
+
+    def send(self, message: dict[str, Any]) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(protocol.pack(message))
+
+    def handle(self, body: bytes) -> None:
+        try:
+            msg = protocol.unpack(body)
+        except Exception as e:    # msgpack raises several unrelated types for bad input
+            self.send(protocol.error(None, "BadFrame", f"frame is not a msgpack message: {e}"))
+            return
+        id = msg.get("id") if isinstance(msg, dict) else None
+        if type(id) is not int:
+            self.send(protocol.error(None, "BadRequest", "a request is a map with an integer 'id' and an 'op'"))
+            return
+        try:
+            result = self._dispatch(msg)
+        except Exception as e:
+            if not isinstance(e, _KNOWN_ERRORS):
+                log.exception("request %r failed", msg.get("op"))
+            self.send(protocol.error(id, type(e).__name__, str(e)))
+            return
+        if result is not _PENDING:
+            self.send(protocol.reply(id, result))
+
+    def _dispatch(self, msg: dict[str, Any]) -> Any:
+        op = msg.get("op")
+        if op not in _FIELDS:
+            raise BadRequest(f"unknown op {op!r}; known: {list(_FIELDS)}")
+        extra = set(msg) - {"id", "op", *_FIELDS[op]}
+        missing = [f for f in _FIELDS[op] if f not in msg]
+        if extra or missing:
+            raise BadRequest(f"{op}: fields {list(_FIELDS[op])} expected; missing {missing}, unknown {sorted(extra)}")
+        return getattr(self, "_op_" + op)(msg)
+
+    def _own(self, value: Any) -> int:
+        seq = _int(value, "seq")
+        if seq not in self.owned:   # another connection's sequences do not exist for this one
+            raise UnknownSequence(f"unknown sequence {seq} (never created on this connection, or freed)")
+        return seq
+
+    # ---- ops -------------------------------------------------------------------------------------------
+    def _op_info(self, msg: dict[str, Any]) -> protocol.Info:
+        return self.server.info
+
+    def _op_stats(self, msg: dict[str, Any]) -> protocol.Stats:
+        return self.server.stats()
+
+    def _op_create(self, msg: dict[str, Any]) -> int:
+        seq = self.engine.create_sequence()
+        self.owned.add(seq)
+        return seq
+
+    def _op_fork(self, msg: dict[str, Any]) -> int:
+        child = self.engine.fork(self._own(msg["seq"]))
+        self.owned.add(child)
+        return child
+
+    def _op_free(self, msg: dict[str, Any]) -> None:
+        seq = self._own(msg["seq"])
+        self.owned.discard(seq)
+        self.engine.free(seq)
+
+    def _op_seq_state(self, msg: dict[str, Any]) -> protocol.SeqState:
+        seq, kv = self._own(msg["seq"]), self.engine.kv
+        with self.engine._lock:
+            return {"length": kv.length(seq), "folded": kv.folded(seq), "cached_tokens": kv.cached_tokens(seq)}
+
+    def _op_reserve(self, msg: dict[str, Any]) -> None:
+        seq, end = self._own(msg["seq"]), _int(msg["end"], "end")
+        if not 0 <= end <= self.engine.cfg.max_position_embeddings:
+            raise BadRequest(f"reserve end {end} outside [0, {self.engine.cfg.max_position_embeddings}]")
+        with self.engine._lock:
+            self.engine.kv.reserve(seq, end)
+
+    def _op_pass(self, msg: dict[str, Any]) -> object:
+        lanes = msg["lanes"]
+        if not isinstance(lanes, list):
+            raise BadRequest("lanes must be a list of lane maps")
+        request = PassRequest([self._lane(i, lane) for i, lane in enumerate(lanes)], _epilogue(msg["epilogue"]))
+        self.engine.submit(request).add_done_callback(partial(self._pass_done, msg["id"]))
+        return _PENDING
+
+    def _lane(self, i: int, lane: Any) -> Lane:
+        if not isinstance(lane, dict) or not {"seq", "tokens"} <= lane.keys() or lane.keys() - _LANE_FIELDS:
+            raise BadRequest(f"lane {i}: a map with 'seq' and 'tokens' and optional "
+                             f"{sorted(_LANE_FIELDS - {'seq', 'tokens'})}")
+        fold = lane.get("fold", True)
+        if type(fold) is not bool:
+            _int(fold, f"lane {i}: fold")
+        return Lane(seq=self._own(lane["seq"]), tokens=_ints(lane["tokens"], f"lane {i}: tokens"),
+                    positions=_optional(_ints, lane.get("positions"), f"lane {i}: positions"),
+                    slots=_optional(_ints, lane.get("slots"), f"lane {i}: slots"),
+                    kv_len=_optional(_int, lane.get("kv_len"), f"lane {i}: kv_len"),
+                    mask=_optional(_mask, lane.get("mask"), f"lane {i}: mask"), fold=fold,
+                    readout=_optional(_ints, lane.get("readout"), f"lane {i}: readout"))
+
+    def _pass_done(self, id: int, future: Future) -> None:
+        # Runs on the engine thread (or here, if the pass failed at once): hand over to the loop.
+        try:
+            self.loop.call_soon_threadsafe(self._reply_pass, id, future)
+        except RuntimeError:
+            pass   # the server closed meanwhile: nobody is left to answer
+
+    def _reply_pass(self, id: int, future: Future) -> None:
+        e = future.exception()
+        if e is not None:
+            self.send(protocol.error(id, type(e).__name__, str(e)))
+            return
+        try:
+            frame = protocol.pack(protocol.reply(id, future.result()))
+        except (TypeError, ValueError) as e:
+            frame = protocol.pack(protocol.error(id, "EpilogueError", f"epilogue result cannot be sent: {e}"))
+        if not self.writer.is_closing():
+            self.writer.write(frame)
+
+    def release(self) -> None:
+        """Free every sequence this connection still owns (it closed)."""
+        for seq in self.owned:
+            try:
+                self.engine.free(seq)
+            except KVStoreError:
+                pass   # already gone: nothing to return
+        self.owned.clear()
+
+
+# ---- Ray ------------------------------------------------------------------------------------------------
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class EngineActor:
+    """An engine and its server inside a Ray actor; decorate at use: `ray.remote(num_cpus=0)(EngineActor)`.
+
+    Ray calls only start it and ask for its address and stats; passes go over the socket.
+    `host` is the interface to listen on; "0.0.0.0" advertises the node's IP address.
+    """
+
+    def __init__(self, model: str = "", host: str = "0.0.0.0", port: int = 0, **engine_kwargs: Any):
+        from ..model_store import resolve_model
+
+        model = model or load_config()["model"]
+        model_dir = resolve_model(model)
+        # Ray sets OMP_NUM_THREADS=1 in actors; the engine should use the node's cores.
+        engine_kwargs.setdefault("num_threads", _cores())
+        self.engine = Engine.from_model(str(model_dir), **engine_kwargs).start()
+        name = model_dir.name if Path(model).expanduser().exists() else model
+        self.server = EngineServer(self.engine, name, model_dir)
+        self.host, self.port = self.server.start(host, port)
+        if self.host in ("0.0.0.0", "::", ""):
+            import ray
+            self.host = ray.util.get_node_ip_address()
+
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    def stats(self) -> protocol.Stats:
+        return self.server.stats()
+
+    def close(self) -> None:
+        self.server.close()
+        self.engine.close()
+
+
+def start_engine_actor(model: str = "", *, name: str | None = None, detached: bool = False,
+                       host: str = "0.0.0.0", port: int = 0, **engine_kwargs: Any) -> tuple[Any, tuple[str, int]]:
+    """Start an `EngineActor` (named `name` when given; outliving its driver when `detached`) and
+    wait until it serves. Returns (actor handle, (host, port))."""
+    import ray
+
+    options: dict[str, Any] = {"num_cpus": 0, "name": name}
+    if detached:
+        options["lifetime"] = "detached"
+    actor = ray.remote(EngineActor).options(**options).remote(model, host, port, **engine_kwargs)
+    return actor, tuple(ray.get(actor.address.remote()))

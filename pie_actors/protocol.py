@@ -1,0 +1,132 @@
+"""The engine data plane's wire format: msgpack messages, each framed by a 4-byte big-endian length.
+
+A client sends requests `{"id": int, "op": str, ...fields}`; the engine answers each with
+`{"id": id, "result": ...}` or `{"id": id, "error": {"type": str, "message": str}}`. Many requests
+may be in flight on one connection; responses come back in completion order, matched by `id`.
+A frame that is not a well-formed request is answered with `id` None (when its id cannot be read)
+and the connection stays usable; only a frame longer than MAX_FRAME ends it (the stream cannot be
+resynchronised without reading the whole claimed length).
+
+Requests (op: fields -> result):
+    info:      -> Info
+    create:    -> seq id (int)
+    fork:      seq -> child seq id (int); the child shares seq's frozen prefix
+    free:      seq -> None
+    seq_state: seq -> SeqState
+    reserve:   seq, end -> None; pages for local slots [0, end), for explicit-geometry passes
+    pass:      lanes: [LaneSpec], epilogue: {"kind": ...} -> the epilogue's output
+    stats:     -> Stats
+
+Epilogue kinds: "argmax" -> [int] (one token per readout row);
+"logits" -> float32 tensor [readout rows, vocab].
+
+Error types: BadFrame, BadRequest, UnknownSequence (never created, already freed, or another
+connection's), PassError, OutOfPages, InvalidSlot, KVStoreError, EpilogueError; anything else is
+the name of an unexpected engine exception.
+
+Tensors travel as msgpack extension type TENSOR_EXT: dtype char (struct format, e.g. "f"), ndim,
+ndim little-endian uint32 dims, then the little-endian elements; they decode to a `memoryview`
+of that format and shape (`.tolist()`, or `numpy.asarray(view)` without a copy).
+
+This module imports only msgpack: inferlet actors use it and must stay light.
+"""
+from __future__ import annotations
+
+import asyncio
+import struct
+from typing import Any, TypedDict
+
+import msgpack
+
+HEADER = struct.Struct(">I")
+MAX_FRAME = 64 << 20
+TENSOR_EXT = 1
+
+OPS = ("info", "create", "fork", "free", "seq_state", "reserve", "pass", "stats")
+ARGMAX = {"kind": "argmax"}
+LOGITS = {"kind": "logits"}
+
+
+class LaneSpec(TypedDict, total=False):
+    """One sequence's rows in a pass; the fields of `pie_actors.gpu.engine.Lane` (seq, tokens required)."""
+
+    seq: int
+    tokens: list[int]
+    positions: list[int] | None
+    slots: list[int] | None
+    kv_len: int | None
+    mask: list[list[bool]] | None
+    fold: bool | int
+    readout: list[int] | None
+
+
+class Info(TypedDict):
+    model: str
+    model_dir: str            # valid on the engine's node only
+    architecture: str
+    vocab_size: int           # rows of the output logits
+    page_size: int
+    max_position: int
+    eos_ids: list[int]
+
+
+class SeqState(TypedDict):
+    length: int
+    folded: int
+    cached_tokens: int
+
+
+class Stats(TypedDict):
+    batch_sizes: dict[int, int]   # passes per batch -> batches run
+    kv: dict[str, int]            # total, free, referenced, cached pages
+    connections: int
+    sequences: int                # owned by open connections
+
+
+class FrameTooLarge(ValueError):
+    """A frame header claims more than MAX_FRAME bytes."""
+
+
+def tensor(fmt: str, shape: tuple[int, ...] | list[int], data: bytes) -> msgpack.ExtType:
+    """A tensor for the wire: `data` holds prod(shape) little-endian elements of struct format `fmt`."""
+    header = struct.pack(f"<cB{len(shape)}I", fmt.encode(), len(shape), *shape)
+    return msgpack.ExtType(TENSOR_EXT, header + data)
+
+
+def _ext_hook(code: int, payload: bytes) -> Any:
+    if code != TENSOR_EXT:
+        return msgpack.ExtType(code, payload)
+    fmt, ndim = struct.unpack_from("<cB", payload)
+    shape = struct.unpack_from(f"<{ndim}I", payload, 2)
+    return memoryview(payload)[2 + 4 * ndim:].cast(fmt.decode(), shape)
+
+
+def pack(message: dict[str, Any]) -> bytes:
+    """One frame: length header + msgpack body."""
+    body = msgpack.packb(message, use_bin_type=True)
+    return HEADER.pack(len(body)) + body
+
+
+def unpack(body: bytes) -> Any:
+    """The message in a frame body; raises ValueError (or a msgpack error) when it is not msgpack."""
+    return msgpack.unpackb(body, raw=False, strict_map_key=False, ext_hook=_ext_hook)
+
+
+async def read_frame(reader: asyncio.StreamReader) -> bytes:
+    """The next frame's body. Raises asyncio.IncompleteReadError at end of stream, FrameTooLarge."""
+    (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+    if size > MAX_FRAME:
+        raise FrameTooLarge(f"frame of {size} bytes exceeds the {MAX_FRAME}-byte limit")
+    return await reader.readexactly(size)
+
+
+def request(id: int, op: str, **fields: Any) -> dict[str, Any]:
+    return {"id": id, "op": op, **fields}
+
+
+def reply(id: int | None, result: Any) -> dict[str, Any]:
+    return {"id": id, "result": result}
+
+
+def error(id: int | None, type: str, message: str) -> dict[str, Any]:
+    return {"id": id, "error": {"type": type, "message": message}}
