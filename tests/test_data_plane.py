@@ -1,0 +1,291 @@
+"""The data plane: EngineServer + EngineClient over TCP, EngineActor in Ray, and the dummy model."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pie_actors import model_store, protocol
+from pie_actors.cli import main as pie_main
+from pie_actors.gpu.server import EngineServer
+from pie_actors.inferlet.engine_client import EngineClient, EngineError
+from tests.engine_helpers import make_engine
+
+PROMPTS = [
+    "The capital of France is", "List three colors:", "def add(a, b):", "Water boils at",
+    "My favourite book is", "1, 2, 3, 4,", "The quick brown fox", "In 1492, Columbus",
+    "Once upon a time", "The best way to learn", "SELECT * FROM", "Dear Sir or Madam,",
+    "import numpy as np", "Roses are red,", "The meaning of life is", "Step 1: preheat the oven",
+]
+
+
+@pytest.fixture(scope="module")
+def served(default_model_dir):
+    """The default model's engine (float32) served on a local port: (engine, server)."""
+    engine = make_engine(default_model_dir, num_pages=256).start()
+    server = EngineServer(engine, "smollm2", default_model_dir)
+    server.start()
+    yield engine, server
+    server.close()
+    engine.close()
+
+
+def referenced(server: EngineServer) -> int:
+    return server.stats()["kv"]["referenced"]
+
+
+async def decode(client: EngineClient, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding of n tokens through the client, on a fresh sequence it frees afterwards."""
+    seq = await client.create()
+    out, feed = [], prompt
+    for _ in range(n):
+        [token] = await client.forward([{"seq": seq, "tokens": feed}])
+        out.append(token)
+        feed = [token]
+    await client.free(seq)
+    return out
+
+
+def test_greedy_through_client_equals_engine(served):
+    engine, server = served
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+    want = engine.generate([prompt], 6, ignore_eos=True)[0]
+
+    async def main():
+        async with await EngineClient.connect(*server.address) as client:
+            info = await client.info()
+            seq = await client.create()
+            logits = await client.forward([{"seq": seq, "tokens": prompt}], protocol.LOGITS)
+            state = await client.state(seq)
+            return info, logits, state, await decode(client, prompt, 6)
+
+    info, logits, state, got = asyncio.run(main())
+    assert got == want
+    assert info["vocab_size"] == 49152 and info["architecture"] == "llama" and info["eos_ids"] == [2, 0]
+    assert logits.shape == (1, 49152) and logits.format == "f"
+    row = logits.tolist()[0]
+    assert row.index(max(row)) == want[0]
+    assert state == {"length": len(prompt), "folded": len(prompt), "cached_tokens": 0}
+
+
+def test_concurrent_clients_are_batched_and_get_their_alone_tokens(served):
+    engine, server = served
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    alone = [engine.generate([p], 4, ignore_eos=True)[0] for p in prompts]
+    start = referenced(server)
+
+    async def one_connection():
+        async with await EngineClient.connect(*server.address) as client:
+            return await asyncio.gather(*(decode(client, p, 4) for p in prompts))
+
+    async def own_connection(prompt):
+        async with await EngineClient.connect(*server.address) as client:
+            return await decode(client, prompt, 4)
+
+    async def many_connections():
+        return await asyncio.gather(*(own_connection(p) for p in prompts))
+
+    for run in (one_connection, many_connections):
+        batches = dict(engine.batch_sizes)
+        assert asyncio.run(run()) == alone, run.__name__
+        grew = [size for size, n in engine.batch_sizes.items() if n > batches.get(size, 0)]
+        assert max(grew) > 1, f"{run.__name__}: no pass was batched with another"
+    assert referenced(server) == start
+
+
+def test_bad_requests_fail_alone(served):
+    engine, server = served
+    prompt = engine.tokenizer.encode(PROMPTS[1])
+    want = engine.generate([prompt], 4, ignore_eos=True)[0]
+
+    async def raw_exchange(frames: list[bytes]) -> list[dict]:
+        reader, writer = await asyncio.open_connection(*server.address)
+        writer.write(b"".join(frames))
+        replies = [protocol.unpack(await protocol.read_frame(reader)) for _ in frames]
+        writer.close()
+        return replies
+
+    async def bad(client: EngineClient, other: EngineClient) -> dict[str, EngineError]:
+        seq, foreign = await client.create(), await other.create()
+        calls = {
+            "out of vocabulary": client.forward([{"seq": seq, "tokens": [1, 10**6]}]),
+            "unknown sequence": client.forward([{"seq": 10**9, "tokens": [1]}]),
+            "other connection's sequence": client.forward([{"seq": foreign, "tokens": [1]}]),
+            "free other's": client.free(foreign),
+            "tokens not ints": client.call("pass", lanes=[{"seq": seq, "tokens": "abc"}], epilogue=protocol.ARGMAX),
+            "lanes not a list": client.call("pass", lanes="x", epilogue=protocol.ARGMAX),
+            "unknown lane field": client.call("pass", lanes=[{"seq": seq, "tokens": [1], "readouts": [0]}],
+                                              epilogue=protocol.ARGMAX),
+            "unknown epilogue": client.forward([{"seq": seq, "tokens": [1]}], {"kind": "nope"}),
+            "reserve end not int": client.call("reserve", seq=seq, end="9"),
+            "unknown op": client.call("explode"),
+        }
+        errors = {}
+        for name, call in calls.items():
+            with pytest.raises(EngineError) as e:
+                await call
+            errors[name] = e.value
+        assert await client.state(seq) == {"length": 0, "folded": 0, "cached_tokens": 0}
+        return errors
+
+    async def main():
+        async with await EngineClient.connect(*server.address) as client, \
+                await EngineClient.connect(*server.address) as other:
+            good = asyncio.ensure_future(decode(client, prompt, 4))
+            errors = await bad(client, other)
+            raw = await raw_exchange([
+                protocol.HEADER.pack(3) + b"\xc1\xc1\xc1",               # not msgpack
+                protocol.pack([1, 2]),                                   # not a request map
+                protocol.pack(protocol.request("7", "info")),            # id not an int
+                protocol.pack(protocol.request(7, "free", seq=None)),    # seq not an int
+                protocol.pack(protocol.request(8, "info")),              # the connection still serves
+            ])
+            return await good, errors, raw
+
+    good, errors, raw = asyncio.run(main())
+    assert good == want
+    types = {name: e.type for name, e in errors.items()}
+    assert types == {
+        "out of vocabulary": "PassError", "unknown sequence": "UnknownSequence",
+        "other connection's sequence": "UnknownSequence", "free other's": "UnknownSequence",
+        "tokens not ints": "BadRequest", "lanes not a list": "BadRequest", "unknown lane field": "BadRequest",
+        "unknown epilogue": "BadRequest", "reserve end not int": "BadRequest", "unknown op": "BadRequest"}
+    assert "1000000" in errors["out of vocabulary"].message
+    assert [(r["id"], r.get("error", {}).get("type")) for r in raw] == \
+        [(None, "BadFrame"), (None, "BadRequest"), (None, "BadRequest"), (7, "BadRequest"), (8, None)]
+    assert raw[-1]["result"]["model"] == "smollm2"
+
+
+def test_closing_a_connection_frees_its_sequences(served):
+    engine, server = served
+    prompt = engine.tokenizer.encode(PROMPTS[2] * 6)    # several pages
+    start = referenced(server)
+
+    async def main():
+        closed = await EngineClient.connect(*server.address)
+        killed = await EngineClient.connect(*server.address)
+        in_flight = []
+        for client in (closed, killed):
+            seq = await client.create()
+            await client.forward([{"seq": seq, "tokens": prompt}])
+            child = await client.fork(seq)
+            await client.reserve(child, len(prompt) + 40)
+            in_flight.append(asyncio.ensure_future(client.forward([{"seq": seq, "tokens": [1, 2, 3]}])))
+        assert referenced(server) > start
+        await closed.close()
+        killed._writer.transport.abort()   # a crash: no orderly close
+        # a pass in flight at the close either finished before it or fails with a clear error
+        for outcome in await asyncio.gather(*in_flight, return_exceptions=True):
+            assert isinstance(outcome, list) or (isinstance(outcome, EngineError) and outcome.type == "ConnectionLost")
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 10
+    while (server.stats()["connections"] or referenced(server) != start) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert referenced(server) == start and server.stats()["sequences"] == 0
+    with engine._lock:
+        engine.kv.check()
+
+
+def test_pending_calls_fail_when_the_connection_drops():
+    """An engine that reads two requests, then dies without answering."""
+    async def engine_that_dies(reader, writer):
+        await protocol.read_frame(reader)
+        await protocol.read_frame(reader)
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(engine_that_dies, "127.0.0.1", 0)
+        client = await EngineClient.connect(*server.sockets[0].getsockname()[:2])
+        outcomes = await asyncio.gather(client.create(), client.info(), return_exceptions=True)
+        with pytest.raises(EngineError, match="ConnectionLost: .* closed by the engine"):
+            await client.create()
+        await client.close()
+        server.close()
+        return outcomes
+
+    outcomes = asyncio.run(main())
+    assert all(isinstance(o, EngineError) and o.type == "ConnectionLost" for o in outcomes)
+
+
+def test_client_module_does_not_import_torch():
+    code = "import sys, pie_actors.inferlet.engine_client; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# ---- the dummy model ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dummy_home(default_model_dir, tmp_path_factory) -> Path:
+    """A PIE_HOME holding the default model (linked) and the dummy model, created by resolve_model."""
+    home = tmp_path_factory.mktemp("dummy_home")
+    (home / "models").mkdir()
+    (home / "models" / default_model_dir.name).symlink_to(default_model_dir)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PIE_HOME", str(home))
+        model_store.resolve_model("dummy")
+    return home
+
+
+def test_dummy_model_resolves_and_lists(dummy_home, tmp_path, monkeypatch, capsys):
+    from pie_actors.gpu.loader import load_checkpoint
+    from pie_actors.gpu.tokenizer import Tokenizer
+
+    monkeypatch.setenv("PIE_HOME", str(dummy_home))
+    folder = model_store.resolve_model("dummy")
+    assert folder == dummy_home / "models" / "dummy"
+    cfg = load_checkpoint(folder).config
+    assert (cfg.vocab_size, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (49152, 2, 64, 4, 2)
+    text = "Hello, world! <|im_start|>user"
+    tok = Tokenizer.from_dir(folder)
+    assert tok.decode(tok.encode(text)) == text
+    assert pie_main(["model", "list"]) == 0
+    assert any(line.startswith("dummy ") for line in capsys.readouterr().out.splitlines())
+
+    # seeded: a second store gets the same weights
+    other = tmp_path / "home"
+    (other / "models").mkdir(parents=True)
+    (other / "models" / "smollm2-135m-instruct").symlink_to(dummy_home / "models" / "smollm2-135m-instruct")
+    monkeypatch.setenv("PIE_HOME", str(other))
+    digest = lambda f: hashlib.sha256((f / "model.safetensors").read_bytes()).hexdigest()  # noqa: E731
+    assert digest(model_store.resolve_model("dummy")) == digest(folder)
+
+
+# ---- Ray --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_engine_actor_serves_a_client(ray_local, dummy_home):
+    from pie_actors.gpu.engine import Engine
+    from pie_actors.gpu.server import start_engine_actor
+
+    folder = dummy_home / "models" / "dummy"
+    options = dict(device="cpu", dtype="float32", num_pages=64)
+    local = Engine.from_model(str(folder), **options)
+    prompt = local.tokenizer.encode(PROMPTS[3])
+    want = local.generate([prompt], 5, ignore_eos=True)[0]
+
+    actor, (host, port) = start_engine_actor(str(folder), name="test-engine", num_threads=1, **options)
+
+    async def main():
+        async with await EngineClient.connect(host, port) as client:
+            return (await client.info())["model"], await asyncio.gather(*(decode(client, prompt, 5) for _ in range(4)))
+
+    name, got = asyncio.run(main())
+    assert name == "dummy" and got == [want] * 4
+    stats = ray_local.get(actor.stats.remote())
+    assert sum(stats["batch_sizes"].values()) >= 5 and stats["kv"]["referenced"] == 0
+    ray_local.get(actor.close.remote())
+    ray_local.kill(actor)
