@@ -1,0 +1,424 @@
+"""The host side of the inferlet sandbox: wasmtime, the runner component, and the host imports.
+
+How the boundary works (the WIT world is wit/inferlet.wit; the guest half is
+sdk/inferlet/_host.py):
+
+* The guest has four imports. ``call(op, args)`` runs a synchronous host operation;
+  ``poll(ids)`` / ``wait-any(ids, timeout)`` report which host futures are done;
+  ``send(msg)`` streams text to the client. Arguments and results are JSON text; anything
+  bulky stays on the host behind integer handles.
+
+* ``Sandbox`` turns those imports into calls on a ``HostApi`` object given to each run.
+  ``HostApi.call(op, args)`` receives the decoded JSON args and returns a JSON-able value;
+  raising ``HostOpError`` (or any exception) hands the guest a ``HostError`` with the
+  message. To add a host operation, handle its name in ``call`` -- no WIT change, no
+  rebuild of the runner.
+
+* Asynchronous operations return a *future id* minted by ``api.futures.new()``. Whoever does
+  the work (an engine connection thread, an asyncio data plane, a timer) later calls
+  ``api.futures.resolve(fid, value)`` or ``api.futures.fail(fid, message)`` from any thread.
+  The guest's event loop picks the completion up through ``poll`` (while it has other work)
+  or blocks in ``wait-any`` (when every task waits), and completes the guest's asyncio
+  future for that id with the value, or raises HostError(message) into whoever awaits it.
+  Each completion is delivered once, then forgotten.
+
+* Each run gets a fresh wasmtime Store and instance (about a millisecond), a memory limit
+  (``Store.set_limits``) and a wall-clock deadline (epoch interruption driven by a ticker
+  thread; a guest blocked in ``wait-any`` is woken at the deadline too). Whatever goes wrong
+  -- an exception in the inferlet, the deadline, the memory limit, a trap -- ends that run
+  only, as ``InferletError(kind, message, guest_traceback)``, and the next run on the same
+  Sandbox starts from the clean snapshot. ``HostApi.on_exit`` is called after every run
+  (success or not): the place to free the run's KV pages and other host-side state.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+from typing import Any
+
+from .build import Artifact, build_bundle, ensure_runner, new_engine
+
+__all__ = ["Sandbox", "HostApi", "HostOpError", "FutureTable", "InferletError"]
+
+log = logging.getLogger(__name__)
+
+NO_TIMEOUT_MS = 0xFFFFFFFF
+HOST_INTERFACE = "pie:inferlet/host@0.1.0"
+EPOCH_PERIOD_S = 0.05       # epoch ticker period: deadlines are honored to about this
+
+_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
+
+class InferletError(Exception):
+    """A run of an inferlet that failed.
+
+    kind: "exception" (the inferlet raised), "timeout" (wall-clock deadline), "memory"
+    (memory limit), or "trap" (the WebAssembly instance trapped, or a host import failed).
+    """
+
+    KINDS = ("exception", "timeout", "memory", "trap")
+
+    def __init__(self, kind: str, message: str, guest_traceback: str = ""):
+        assert kind in self.KINDS, kind
+        super().__init__(f"inferlet {kind}: {message}")
+        self.kind = kind
+        self.message = message
+        self.guest_traceback = guest_traceback
+
+    def __str__(self) -> str:
+        text = f"inferlet {self.kind}: {self.message}"
+        if self.guest_traceback:
+            text += "\n" + self.guest_traceback.rstrip()
+        return text
+
+
+class HostOpError(Exception):
+    """Raised by a HostApi operation: the guest gets HostError(message)."""
+
+
+class FutureTable:
+    """Host futures of one run: ids minted by the host, completed from any thread, reported
+    to the guest once through poll / wait_any."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._next = 1
+        self._open: set[int] = set()              # minted, not completed yet
+        self._done: dict[int, dict] = {}          # completed, not yet reported to the guest
+        self.max_open = 0                         # most futures open at once (a concurrency gauge)
+
+    def new(self) -> int:
+        with self._cond:
+            fid = self._next
+            self._next += 1
+            self._open.add(fid)
+            self.max_open = max(self.max_open, len(self._open))
+            return fid
+
+    def _complete(self, fid: int, outcome: dict) -> None:
+        with self._cond:
+            if fid not in self._open:
+                raise KeyError(f"host future {fid} is not open")
+            self._open.discard(fid)
+            self._done[fid] = outcome
+            self._cond.notify_all()
+
+    def resolve(self, fid: int, value: Any = None) -> None:
+        """Complete future `fid` with a JSON-able value."""
+        self._complete(fid, {"ok": value})
+
+    def fail(self, fid: int, message: str) -> None:
+        """Complete future `fid` with an error: the guest's await raises HostError(message)."""
+        self._complete(fid, {"err": str(message)})
+
+    def open_count(self) -> int:
+        with self._cond:
+            return len(self._open)
+
+    def _take(self, ids) -> dict[int, dict]:
+        if not self._done:
+            return {}
+        out = {}
+        for fid in ids:
+            outcome = self._done.pop(fid, None)
+            if outcome is not None:
+                out[fid] = outcome
+        return out
+
+    def poll(self, ids) -> dict[int, dict]:
+        with self._cond:
+            return self._take(ids)
+
+    def wait_any(self, ids, timeout: float | None) -> dict[int, dict]:
+        """Completions among `ids`, waiting up to `timeout` seconds (None: forever) for one."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                out = self._take(ids)
+                if out:
+                    return out
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return {}
+                self._cond.wait(left)
+
+
+class HostApi:
+    """What an inferlet's host imports do. One instance per run; subclass to connect it.
+
+    Override `call` for host operations, `send` for session output; use `self.futures` for
+    asynchronous results (see the module docstring).
+    """
+
+    def __init__(self) -> None:
+        self.futures = FutureTable()
+
+    def call(self, op: str, args: Any) -> Any:
+        raise HostOpError(f"unknown host operation {op!r}")
+
+    def send(self, message: str) -> None:
+        pass
+
+    def output(self, stream: str, data: bytes) -> None:
+        """The guest wrote to stdout/stderr (print). Default: onto this process's stderr."""
+        sys.stderr.write(data.decode("utf-8", "replace"))
+
+    def on_exit(self, error: InferletError | None) -> None:
+        """The run is over (error is None on success): release its host-side resources."""
+
+
+# ---------------------------------------------------------------------------------------------
+# the epoch ticker
+
+class _EpochTicker:
+    """Increments the engine's epoch every EPOCH_PERIOD_S while any run is active. One per
+    engine (the epoch is the engine's), shared by every Sandbox using that engine."""
+
+    _lock_all = threading.Lock()
+
+    @classmethod
+    def of(cls, engine) -> "_EpochTicker":
+        with cls._lock_all:
+            ticker = getattr(engine, "_pie_epoch_ticker", None)
+            if ticker is None:
+                ticker = cls(engine)
+                engine._pie_epoch_ticker = ticker
+            return ticker
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._active = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _loop(self, stop: threading.Event) -> None:
+        while not stop.wait(EPOCH_PERIOD_S):
+            self.engine.increment_epoch()
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._active += 1
+            if self._thread is None:
+                self._stop = threading.Event()
+                self._thread = threading.Thread(target=self._loop, args=(self._stop,),
+                                                name="pie-epoch", daemon=True)
+                self._thread.start()
+
+    def release(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0 and self._thread is not None:
+                self._stop.set()
+                self._thread = None
+
+
+# ---------------------------------------------------------------------------------------------
+# the sandbox
+
+class _Deadline(Exception):
+    pass
+
+
+class _Run:
+    """State of one run, seen by the host imports (through a thread-local)."""
+
+    def __init__(self, api: HostApi, timeout: float):
+        self.api = api
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+        self.failure: InferletError | None = None
+        self.stderr_tail = ""                     # the guest's last stderr output, for trap reports
+
+    def output(self, stream: str, data: bytes) -> None:
+        if stream == "stderr":
+            self.stderr_tail = (self.stderr_tail + data.decode("utf-8", "replace"))[-4000:]
+        self.api.output(stream, data)
+
+
+# the host imports (wrapped by Sandbox._import): each gets the run's state first
+
+def _call(run: _Run, op: str, args: str):
+    from wasmtime.component import Variant
+
+    try:
+        result = run.api.call(op, json.loads(args))
+        return Variant("ok", _dumps(result))
+    except (InferletError, _Deadline):
+        raise
+    except HostOpError as e:
+        return Variant("err", str(e))
+    except Exception as e:
+        return Variant("err", f"{type(e).__name__}: {e}")
+
+
+def _poll(run: _Run, ids: str) -> str:
+    return _dumps({str(k): v for k, v in run.api.futures.poll(json.loads(ids)).items()})
+
+
+def _wait_any(run: _Run, ids: str, timeout_ms: int) -> str:
+    left = run.deadline - time.monotonic()
+    if left <= 0:
+        raise _Deadline()
+    wait = left if timeout_ms == NO_TIMEOUT_MS else min(left, timeout_ms / 1000)
+    done = run.api.futures.wait_any(json.loads(ids), wait)
+    if not done and time.monotonic() >= run.deadline:
+        raise _Deadline()
+    return _dumps({str(k): v for k, v in done.items()})
+
+
+def _send(run: _Run, msg: str) -> None:
+    run.api.send(msg)
+
+
+class Sandbox:
+    """Runs inferlets in fresh instances of one compiled component.
+
+    `bundle`: a bundle folder (see build.build_bundle); None for the shared runner.
+    `timeout` (seconds) and `memory_limit` (bytes of guest linear memory) are defaults that
+    each run may override. Runs may happen concurrently on different threads.
+    """
+
+    def __init__(self, bundle=None, *, timeout: float = 300.0, memory_limit: int = 512 << 20,
+                 engine=None):
+        import wasmtime
+        from wasmtime.component import Component, Linker
+
+        self._wasmtime = wasmtime
+        self.engine = engine or new_engine()
+        self.timeout = timeout
+        self.memory_limit = memory_limit
+        self.artifact: Artifact = (build_bundle(bundle, self.engine) if bundle is not None
+                                   else ensure_runner(self.engine))
+        t0 = time.perf_counter()
+        self.component = Component.deserialize_file(self.engine, str(self.artifact.path))
+        self.deserialize_s = time.perf_counter() - t0
+        self._ticker = _EpochTicker.of(self.engine)
+        self._tls = threading.local()
+        self.linker = Linker(self.engine)
+        self.linker.add_wasip2()
+        with self.linker.root() as root:
+            with root.add_instance(HOST_INTERFACE) as host:
+                host.add_func("call", self._import(_call))
+                host.add_func("poll", self._import(_poll))
+                host.add_func("wait-any", self._import(_wait_any))
+                host.add_func("send", self._import(_send))
+
+    @property
+    def from_cache(self) -> bool:
+        """Whether the compiled component came from the cache (nothing built or compiled)."""
+        return self.artifact.from_cache
+
+    # -- host imports ---------------------------------------------------------------------------
+
+    def _import(self, fn):
+        """Wrap a host import: any failure ends the run, recorded for run() to report.
+        Raising WasmtimeError (not a Python exception) unwinds the guest as a trap without
+        going through wasmtime-py's process-global "last exception" slot, which concurrent
+        runs on other threads would share. (The closure holds no reference to the Sandbox:
+        wasmtime-py keeps host functions in a process-global table.)"""
+        WasmtimeError = self._wasmtime.WasmtimeError
+        tls = self._tls
+
+        def host_import(store, *args):
+            run: _Run = tls.run
+            try:
+                return fn(run, *args)
+            except _Deadline:
+                run.failure = InferletError("timeout", f"deadline of {run.timeout:.3g} s "
+                                                       "passed while waiting on the host")
+            except InferletError as e:
+                run.failure = e
+            except Exception as e:
+                run.failure = InferletError("trap", f"host import {fn.__name__.lstrip('_')} "
+                                                    f"failed: {type(e).__name__}: {e}")
+            raise WasmtimeError(run.failure.message)
+
+        return host_import
+
+    # -- running --------------------------------------------------------------------------------
+
+    def run(self, source: str, input: Any = None, api: HostApi | None = None, *,
+            timeout: float | None = None, memory_limit: int | None = None,
+            stats: dict | None = None) -> Any:
+        """Run an inferlet: `source` is its main module (empty: a bundle's main.py), `input`
+        the JSON-able value given to `main`. Returns main's result; raises InferletError.
+        `stats`, when given, receives timings: instantiate_s, run_s."""
+        from wasmtime.component import Variant
+
+        wasmtime = self._wasmtime
+        api = api if api is not None else HostApi()
+        timeout = self.timeout if timeout is None else timeout
+        memory_limit = self.memory_limit if memory_limit is None else memory_limit
+        run = _Run(api, timeout)
+        error: InferletError | None = None
+        store = None
+        self._ticker.acquire()
+        self._tls.run = run
+        try:
+            t0 = time.perf_counter()
+            store = wasmtime.Store(self.engine)
+            wasi = wasmtime.WasiConfig()
+            wasi.stdout_custom = lambda data: run.output("stdout", data)
+            wasi.stderr_custom = lambda data: run.output("stderr", data)
+            store.set_wasi(wasi)
+            store.set_limits(memory_size=memory_limit)
+            store.set_epoch_deadline(int(timeout / EPOCH_PERIOD_S) + 1)
+            try:
+                instance = self.linker.instantiate(store, self.component)
+            except wasmtime.WasmtimeError as e:
+                raise InferletError("memory" if memory_limit >= 0 and "memory" in str(e) else "trap",
+                                    f"could not instantiate the inferlet component: {e}") from None
+            func = instance.get_func(store, "run")
+            t1 = time.perf_counter()
+            try:
+                out = func(store, source, _dumps(input))
+            except wasmtime.WasmtimeError as e:
+                raise self._classify_trap(run, e, timeout) from None
+            t2 = time.perf_counter()
+            if stats is not None:
+                stats.update(instantiate_s=t1 - t0, run_s=t2 - t1)
+            assert isinstance(out, Variant), out
+            if out.tag == "ok":
+                return json.loads(out.payload)
+            try:
+                info = json.loads(out.payload)
+                kind, message, tb = info["kind"], info["message"], info.get("traceback", "")
+            except (ValueError, KeyError, TypeError):
+                kind, message, tb = "exception", str(out.payload), ""
+            raise InferletError(kind if kind in InferletError.KINDS else "exception", message, tb)
+        except InferletError as e:
+            error = e
+            raise
+        except BaseException as e:  # a failure of the host itself; the run is over all the same
+            error = InferletError("trap", f"host failure: {type(e).__name__}: {e}")
+            raise
+        finally:
+            self._tls.run = None
+            self._ticker.release()
+            del store  # the instance and its memory go with the store
+            try:
+                api.on_exit(error)
+            except Exception:
+                log.exception("HostApi.on_exit failed")
+
+    def _classify_trap(self, run: _Run, e: Exception, timeout: float) -> InferletError:
+        if run.failure is not None:                 # a host import ended the run
+            return run.failure
+        text = str(e)
+        # wasmtime's message is a wasm backtrace, then "Caused by:" and the trap itself
+        cause = text.rsplit("Caused by:", 1)[-1].strip() or text
+        if "interrupt" in cause:                     # epoch deadline reached while computing
+            # the wasm backtrace says nothing useful about the Python code that was running
+            return InferletError("timeout", f"deadline of {timeout:.3g} s passed")
+        if "MemoryError" in run.stderr_tail or "out of memory" in run.stderr_tail.lower():
+            # CPython gave up after an allocation failed at the memory limit
+            return InferletError("memory", "the inferlet ran out of memory",
+                                 (run.stderr_tail + "\n" + text).strip())
+        detail = (run.stderr_tail + "\n" + text).strip()
+        if isinstance(e, self._wasmtime.ExitTrap):
+            return InferletError("trap", f"the inferlet exited with status {e.code}", detail)
+        return InferletError("trap", cause.splitlines()[0], detail)
