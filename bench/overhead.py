@@ -1,0 +1,186 @@
+"""Per-pass cost of the data plane: client -> engine -> result, with the dummy model (its compute is small,
+so the table shows what the path around the engine costs).
+
+    python bench/overhead.py [--clients 1,16,64] [--passes 128] [--repeats 3] [--out bench/RESULTS.md]
+
+Three ways to reach the same engine (dummy model, float32, CPU, 1 torch thread), side by side:
+  direct  — `engine.submit` in the same process (no transport: the floor)
+  socket  — EngineClient -> EngineServer in an EngineActor, one TCP connection per client (the design)
+  ray     — one Ray actor method call per pass (an async actor wrapping the engine)
+Each of N concurrent clients (coroutines on the driver's event loop) decodes `--passes` one-token
+passes with the argmax epilogue on its own sequence; sequences are created and prefilled before the
+clock starts. passes/s = N x passes / wall time; µs per pass = its inverse; round trip = the time one
+client waits per pass. Median of `--repeats` runs, after a warm-up run.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import platform
+import random
+import shlex
+import statistics
+import sys
+import time
+from typing import Awaitable, Callable
+
+import ray
+import uvloop
+
+from pie_actors.gpu.engine import Engine, Lane, PassRequest
+from pie_actors.gpu.server import EPILOGUES, start_engine_actor
+from pie_actors.inferlet.engine_client import EngineClient
+from pie_actors.model_store import resolve_model
+
+ENGINE = dict(device="cpu", dtype="float32", num_pages=2048, num_threads=1)
+PROMPT_LEN = 4
+ARGMAX = EPILOGUES["argmax"]({})
+
+# A client: (create + prefill a sequence -> seq, decode one token on seq -> token, free seq)
+Client = tuple[Callable[[list[int]], Awaitable[int]], Callable[[int, int], Awaitable[int]],
+               Callable[[int], Awaitable[None]]]
+
+
+class RayForward:
+    """The alternative to the socket: every pass is a Ray method call."""
+
+    def __init__(self, model_dir: str):
+        self.engine = Engine.from_model(model_dir, **ENGINE).start()
+
+    async def create(self, prompt: list[int]) -> int:
+        seq = self.engine.create_sequence()
+        await self.forward(seq, prompt)
+        return seq
+
+    async def forward(self, seq: int, tokens: list[int]) -> int:
+        [token] = await asyncio.wrap_future(self.engine.submit(PassRequest([Lane(seq, tokens)], ARGMAX)))
+        return token
+
+    def free(self, seq: int) -> None:
+        self.engine.free(seq)
+
+
+def direct_client(engine: Engine) -> Client:
+    async def forward(seq: int, tokens: list[int]) -> int:
+        [token] = await asyncio.wrap_future(engine.submit(PassRequest([Lane(seq, tokens)], ARGMAX)))
+        return token
+
+    async def create(prompt: list[int]) -> int:
+        seq = engine.create_sequence()
+        await forward(seq, prompt)
+        return seq
+
+    async def free(seq: int) -> None:
+        engine.free(seq)
+    return create, forward, free
+
+
+def socket_client(client: EngineClient) -> Client:
+    async def create(prompt: list[int]) -> int:
+        seq = await client.create()
+        await client.forward([{"seq": seq, "tokens": prompt}])
+        return seq
+
+    async def forward(seq: int, tokens: list[int]) -> int:
+        [token] = await client.forward([{"seq": seq, "tokens": tokens}])
+        return token
+    return create, forward, client.free
+
+
+def ray_client(actor) -> Client:
+    async def create(prompt: list[int]) -> int:
+        return await actor.create.remote(prompt)
+
+    async def forward(seq: int, tokens: list[int]) -> int:
+        return await actor.forward.remote(seq, tokens)
+
+    async def free(seq: int) -> None:
+        await actor.free.remote(seq)
+    return create, forward, free
+
+
+async def run_once(clients: list[Client], passes: int) -> float:
+    """Seconds for every client to decode `passes` tokens, all clients at once."""
+    rng = random.Random(0)
+    seqs = await asyncio.gather(*(c[0]([rng.randrange(17, 49152) for _ in range(PROMPT_LEN)]) for c in clients))
+
+    async def decode(client: Client, seq: int) -> None:
+        token = 17
+        for _ in range(passes):
+            token = await client[1](seq, [token])
+
+    start = time.perf_counter()
+    await asyncio.gather(*(decode(c, s) for c, s in zip(clients, seqs)))
+    elapsed = time.perf_counter() - start
+    await asyncio.gather(*(c[2](s) for c, s in zip(clients, seqs)))
+    return elapsed
+
+
+async def measure(clients: list[Client], passes: int, repeats: int) -> float:
+    await run_once(clients, max(4, passes // 8))   # warm-up: connections, allocator, code paths
+    return statistics.median([await run_once(clients, passes) for _ in range(repeats)])
+
+
+async def bench(model_dir: str, counts: list[int], passes: int, repeats: int) -> dict[tuple[int, str], float]:
+    """(clients, mode) -> seconds for clients x passes passes."""
+    engine = Engine.from_model(model_dir, **ENGINE).start()
+    _, address = start_engine_actor(model_dir, host="127.0.0.1", **ENGINE)
+    forwarder = ray.remote(num_cpus=0)(RayForward).remote(model_dir)
+    results = {}
+    for n in counts:
+        connections = [await EngineClient.connect(*address) for _ in range(n)]
+        modes = {"direct": [direct_client(engine)] * n,
+                 "socket": [socket_client(c) for c in connections],
+                 "ray": [ray_client(forwarder)] * n}
+        for mode, clients in modes.items():
+            results[n, mode] = await measure(clients, passes, repeats)
+            print(f"  {n} clients, {mode}: {n * passes / results[n, mode]:.0f} passes/s", file=sys.stderr)
+        for c in connections:
+            await c.close()
+    engine.close()
+    return results
+
+
+def table(results: dict[tuple[int, str], float], passes: int) -> str:
+    lines = ["| clients | path | passes/s | µs per pass | round trip µs | × direct |", "|---|---|---|---|---|---|"]
+    for (n, mode), seconds in results.items():
+        total = n * passes
+        ratio = seconds / results[n, "direct"]
+        lines.append(f"| {n} | {mode} | {total / seconds:,.0f} | {seconds / total * 1e6:,.0f} | "
+                     f"{seconds / passes * 1e6:,.0f} | {ratio:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clients", default="1,16,64", help="comma list of concurrent client counts")
+    ap.add_argument("--passes", type=int, default=128, help="one-token passes per client per run")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", help="append the table, command line and date to this markdown file")
+    ap.add_argument("--title", default="Data plane overhead (issue 3)", help="heading of the section --out appends")
+    args = ap.parse_args()
+    model_dir = str(resolve_model("dummy"))
+
+    load_before = os.getloadavg()[0]
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    try:
+        results = uvloop.run(bench(model_dir, [int(n) for n in args.clients.split(",")], args.passes, args.repeats))
+    finally:
+        ray.shutdown()
+    env = (f"{platform.machine()}, {os.cpu_count()} cores, Ray {ray.__version__}, uvloop {uvloop.__version__}; "
+           f"dummy model (2 layers, hidden 64), float32, 1 torch thread per engine; {args.passes} passes per "
+           f"client, median of {args.repeats}; 1-min load average {load_before:.1f} before, "
+           f"{os.getloadavg()[0]:.1f} after")
+    report = table(results, args.passes) + "\n"
+    print(f"\n{env}\n\n{report}")
+    if args.out:
+        command = shlex.join(["python", *sys.argv])
+        date = datetime.datetime.now().isoformat(timespec="seconds")
+        with open(args.out, "a") as f:
+            f.write(f"\n## {args.title}\n\n`{command}` — {date}\n\n{env}\n\n{report}")
+
+
+if __name__ == "__main__":
+    main()
