@@ -149,6 +149,20 @@ class Engine:
         with self._lock:
             self.kv.free(seq)
 
+    def reserve(self, seq: int, end: int) -> None:
+        """Pages for local slots [0, end), for passes with explicit geometry."""
+        with self._lock:
+            self.kv.reserve(seq, end)
+
+    def seq_state(self, seq: int) -> dict[str, int]:
+        with self._lock:
+            kv = self.kv
+            return {"length": kv.length(seq), "folded": kv.folded(seq), "cached_tokens": kv.cached_tokens(seq)}
+
+    def kv_stats(self) -> dict[str, int]:
+        with self._lock:
+            return self.kv.stats()
+
     # ---- passes ------------------------------------------------------------------------------
     def submit(self, request: PassRequest) -> Future:
         with self._lock:

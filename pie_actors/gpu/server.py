@@ -143,8 +143,7 @@ class EngineServer:
         self._thread = None
 
     def stats(self) -> protocol.Stats:
-        with self.engine._lock:   # the engine's lock guards its KV store; it has no locked accessor
-            kv = self.engine.kv.stats()
+        kv = self.engine.kv_stats()
         # dict() of a Counter copies in C under the GIL: safe while the engine thread increments it
         return {"batch_sizes": dict(self.engine.batch_sizes), "kv": kv,
                 "connections": len(self._connections),
@@ -269,16 +268,13 @@ class _Connection:
         self.engine.free(seq)
 
     def _op_seq_state(self, msg: dict[str, Any]) -> protocol.SeqState:
-        seq, kv = self._own(msg["seq"]), self.engine.kv
-        with self.engine._lock:
-            return {"length": kv.length(seq), "folded": kv.folded(seq), "cached_tokens": kv.cached_tokens(seq)}
+        return self.engine.seq_state(self._own(msg["seq"]))
 
     def _op_reserve(self, msg: dict[str, Any]) -> None:
         seq, end = self._own(msg["seq"]), _int(msg["end"], "end")
         if not 0 <= end <= self.engine.cfg.max_position_embeddings:
             raise BadRequest(f"reserve end {end} outside [0, {self.engine.cfg.max_position_embeddings}]")
-        with self.engine._lock:
-            self.engine.kv.reserve(seq, end)
+        self.engine.reserve(seq, end)
 
     def _op_pass(self, msg: dict[str, Any]) -> object:
         lanes = msg["lanes"]
