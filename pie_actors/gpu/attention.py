@@ -1,8 +1,9 @@
 """Paged attention over a flat KV slot array.
 
 The KV cache of one layer is a tensor [num_slots, kv_heads, head_dim] where slot = page * page_size + offset.
-A batch mixes lanes of any length. Single-row lanes without a custom mask (decode) are gathered into one
-padded tensor and served by one SDPA call; longer lanes (prefill, drafts) get one SDPA call each. The
+A batch mixes lanes of any length. Single-row lanes without a custom mask (decode) are served
+together: on the CPU their pages are gathered into one padded tensor for two batched matmuls, on CUDA
+a Triton kernel reads the pages in place. Longer lanes (prefill, drafts) get one SDPA call each. The
 gather indices and masks are built once per batch (`AttentionMetadata.build`) and reused by every layer.
 """
 from __future__ import annotations
@@ -121,7 +122,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Writes this batch's K/V into the cache first, so a lane attends to its own new rows too.
     """
-    k_cache[meta.write_slots] = k
+    k_cache[meta.write_slots] = k         # index_put: stays in place under torch.compile
     v_cache[meta.write_slots] = v
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
