@@ -1,0 +1,58 @@
+"""The model the inferlet runs on: its tokenizer and the engine's runtime constants.
+
+Every function is a host operation (the tokenizer lives on the host; nothing bulky crosses).
+The constants are asked for once per run and remembered.
+"""
+from __future__ import annotations
+
+from . import _host
+
+__all__ = ["encode", "decode", "name", "architecture", "output_vocab_size", "kv_page_size",
+           "frame_size", "channel_capacity", "run_ahead_window"]
+
+_info: dict | None = None   # filled on first use inside a run (the snapshot is taken empty)
+
+
+def _get(key: str):
+    global _info
+    if _info is None:
+        _info = _host.call("model.info")
+    return _info[key]
+
+
+def encode(text: str) -> list[int]:
+    """Token ids of `text` (no BOS/EOS added: see chat.prefix())."""
+    return _host.call("model.encode", str(text))
+
+
+def decode(tokens) -> str:
+    """Text of token ids."""
+    return _host.call("model.decode", [int(t) for t in tokens])
+
+
+def name() -> str:
+    return _get("name")
+
+
+def architecture() -> str:
+    return _get("architecture")
+
+
+def output_vocab_size() -> int:
+    return _get("output_vocab_size")
+
+
+def kv_page_size() -> int:
+    return _get("kv_page_size")
+
+
+def frame_size() -> int:
+    return _get("frame_size")
+
+
+def channel_capacity() -> int:
+    return _get("channel_capacity")
+
+
+def run_ahead_window() -> int:
+    return _get("run_ahead_window")
