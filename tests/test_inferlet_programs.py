@@ -183,3 +183,34 @@ def test_concurrent_programs_batch_and_match_alone(served, sandbox):
     grew = [size for size, n in engine.batch_sizes.items() if n > before.get(size, 0)]
     assert max(grew) > 1, engine.batch_sizes
     settle(engine, server, start)
+
+
+def test_lanes_and_readout(served, sandbox):
+    engine, server = served
+    start = referenced(server)
+    tok = engine.tokenizer
+    a, b = tok.encode("The capital of France is"), tok.encode("1, 2, 3, 4,")
+    source = """
+from inferlet.eta import ForwardPass, Pipeline, StateGeometry, WorkingSet, intrinsics, reduce_argmax
+async def main(input):
+    a, b = input["a"], input["b"]
+    ws1, ws2, pipe = WorkingSet(), WorkingSet(), Pipeline()
+    fwd = ForwardPass()
+    fwd.embed(a + b, indptr=[0, len(a), len(a) + len(b)])
+    fwd.state([ws1, ws2], StateGeometry.folding())
+    fwd.readout([1, len(a) - 1, len(a) + len(b) - 1])      # two rows of lane 0, the last of lane 1
+    first = fwd.epilogue(lambda: reduce_argmax(intrinsics.output(0, "logits")))
+    pipe.submit(fwd)
+    fwd2 = ForwardPass()
+    fwd2.embed([input["next"]])
+    fwd2.state([ws2], StateGeometry.folding())
+    second = fwd2.epilogue(lambda: reduce_argmax(intrinsics.output(0, "logits")))
+    pipe.submit(fwd2)                      # submitted before the first result came back
+    return {"lane0": await first, "lane2": await second, "folded": ws1.folded()}
+"""
+    [nb] = engine.generate([b], 1, ignore_eos=True)[0:1]
+    want0 = [engine.generate([a[:2]], 1, ignore_eos=True)[0][0], engine.generate([a], 1, ignore_eos=True)[0][0]]
+    want2 = engine.generate([b], 2, ignore_eos=True)[0][1]
+    out = run(served, sandbox, source, {"a": a, "b": b, "next": nb[0]})
+    assert out == {"lane0": want0, "lane2": want2, "folded": len(a)}
+    settle(engine, server, start)
