@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: setup
-	$(VENV)/bin/pie generate --prompt "What is the capital of France?" --chat
+	$(VENV)/bin/pie run examples/quickstart/main.py -- --question "What is the capital of France?"
 
 test: setup
 	$(PY) -m pytest -q

@@ -7,7 +7,9 @@ serve, ...), write such a function and append it to SUBCOMMANDS.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 from typing import Callable
 
 from . import config
@@ -112,7 +114,79 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     gen.set_defaults(handler=_generate)
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_model, _add_config, _add_generate]
+# --- pie run --------------------------------------------------------------------------------------
+
+def parse_inputs(words: list[str]) -> dict:
+    """`--key value` pairs after `--` into the inferlet's input dict. Values are JSON when they
+    parse (numbers, booleans, lists), else strings; a `--flag` with no value is True."""
+    inputs: dict = {}
+    i = 0
+    while i < len(words):
+        key = words[i]
+        if not key.startswith("--") or len(key) == 2:
+            raise ValueError(f"inferlet arguments are --key value pairs; got {key!r}")
+        if i + 1 < len(words) and not words[i + 1].startswith("--"):
+            raw, i = words[i + 1], i + 2
+            try:
+                inputs[key[2:]] = json.loads(raw)
+            except json.JSONDecodeError:
+                inputs[key[2:]] = raw
+        else:
+            inputs[key[2:]], i = True, i + 1
+    return inputs
+
+
+def _inferlet_source(path: str) -> str:
+    """The program: a .py file, or a bundle folder holding main.py."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "main.py"
+    if not p.is_file():
+        raise FileNotFoundError(f"no inferlet at {path} (a .py file, or a folder with main.py)")
+    return p.read_text(encoding="utf-8")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .gpu.server import serve_model
+    from .inferlet.host import InferletError
+    from .inferlet.runtime import run_inferlet
+
+    source = _inferlet_source(args.file)
+    inputs = parse_inputs(args.inputs)
+    # In one process for now: the Ray controller, warm actor pool and shared engines are next.
+    server, address = serve_model(args.model or "", device=args.device, dtype=args.dtype)
+    streamed = []
+
+    def stream(text: str) -> None:
+        streamed.append(text)
+        print(text, end="", flush=True)
+
+    try:
+        output = run_inferlet(source, inputs, address, timeout=args.timeout, on_send=stream)
+    except InferletError as e:
+        print(f"\npie: inferlet failed: {e}", file=sys.stderr)
+        return 1
+    finally:
+        server.close()
+        server.engine.close()
+    if streamed:
+        print()                  # the returned JSON goes on its own line
+    print(json.dumps(output, ensure_ascii=False))
+    return 0
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    run = sub.add_parser("run", help="run an inferlet: pie run [options] main.py -- --key value ...")
+    run.add_argument("file", help="the inferlet: a .py file or a folder with main.py")
+    run.add_argument("inputs", nargs=argparse.REMAINDER, help="-- then --key value pairs: the input dict")
+    run.add_argument("--model", help="model name or path (default: the configured model)")
+    run.add_argument("--device", help="cpu, cuda, cuda:N (default: config)")
+    run.add_argument("--dtype", help="float32, bfloat16, float16 (default: config)")
+    run.add_argument("--timeout", type=float, default=300.0, help="wall-clock limit in seconds")
+    run.set_defaults(handler=_run)
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_model, _add_config, _add_generate, _add_run]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -333,6 +333,21 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def serve_model(model: str = "", host: str = "127.0.0.1", port: int = 0,
+                **engine_kwargs: Any) -> tuple[EngineServer, tuple[str, int]]:
+    """Build the engine for `model` (a store name or folder; default: the configured model), start
+    its batching loop and serve it. Returns the server and its address; stop with
+    `server.close(); server.engine.close()`."""
+    from ..model_store import resolve_model
+
+    model = model or load_config()["model"]
+    model_dir = resolve_model(model)
+    engine = Engine.from_model(str(model_dir), **engine_kwargs).start()
+    name = model_dir.name if Path(model).expanduser().exists() else model
+    server = EngineServer(engine, name, model_dir)
+    return server, server.start(host, port)
+
+
 class EngineActor:
     """An engine and its server inside a Ray actor; decorate at use: `ray.remote(num_cpus=0)(EngineActor)`.
 
@@ -341,16 +356,10 @@ class EngineActor:
     """
 
     def __init__(self, model: str = "", host: str = "0.0.0.0", port: int = 0, **engine_kwargs: Any):
-        from ..model_store import resolve_model
-
-        model = model or load_config()["model"]
-        model_dir = resolve_model(model)
         # Ray sets OMP_NUM_THREADS=1 in actors; the engine should use the node's cores.
         engine_kwargs.setdefault("num_threads", _cores())
-        self.engine = Engine.from_model(str(model_dir), **engine_kwargs).start()
-        name = model_dir.name if Path(model).expanduser().exists() else model
-        self.server = EngineServer(self.engine, name, model_dir)
-        self.host, self.port = self.server.start(host, port)
+        self.server, (self.host, self.port) = serve_model(model, host, port, **engine_kwargs)
+        self.engine = self.server.engine
         if self.host in ("0.0.0.0", "::", ""):
             import ray
             self.host = ray.util.get_node_ip_address()
