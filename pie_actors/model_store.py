@@ -201,6 +201,8 @@ def _install(name: str, build: Callable[[Path], Any], origin: dict[str, Any], fo
     root = models_dir()
     final = root / name
     if final.exists() and not force:
+        if {k: v for k, v in _origin(final).items() if k != "imported_at"} == origin:
+            return final          # the same source again: nothing to do (so set-up scripts can rerun)
         raise FileExistsError(f"model {name!r} already exists at {final} (use --force to replace it)")
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".import-{name}-", dir=root))

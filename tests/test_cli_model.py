@@ -38,8 +38,12 @@ def test_import_list_resolve(pie_home_dir, tiny_gguf):
 
     assert resolve_model("tiny") == folder
     assert resolve_model(str(folder)) == folder  # a folder is used in place
+    stamp = (folder / "pie_source.json").read_text()
+    assert import_model(path, name="tiny", progress=False) == folder       # same source: a no-op
+    assert (folder / "pie_source.json").read_text() == stamp
+    other, _ = tiny_gguf("llama")
     with pytest.raises(FileExistsError, match="already exists"):
-        import_model(path, name="tiny", progress=False)
+        import_model(other, name="tiny", progress=False)                  # another source, same name
     assert import_model(path, name="tiny", progress=False, force=True) == folder
 
 
@@ -178,7 +182,9 @@ def test_cli_in_process(pie_home_dir, tiny_gguf, capsys):
     assert main(["model", "list"]) == 0
     out = capsys.readouterr().out
     assert "tiny3" in out and "qwen3" in out and "NAME" in out
-    assert main(["model", "import", str(path), "--name", "tiny3"]) == 1
+    assert main(["model", "import", str(path), "--name", "tiny3"]) == 0     # rerunning set-up is fine
+    capsys.readouterr()
+    assert main(["model", "import", str(tiny_gguf("llama")[0]), "--name", "tiny3"]) == 1
     assert "already exists" in capsys.readouterr().err
     assert main(["model", "import", "no-such-thing"]) == 1
     assert "cannot import 'no-such-thing'" in capsys.readouterr().err
