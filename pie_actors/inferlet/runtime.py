@@ -248,10 +248,10 @@ class InferletHost(HostApi):
             self.on_send(message)
 
     def call(self, op: str, args: Any) -> Any:
-        handler = self._OPS.get(op)
-        if handler is None:
+        name = self._OPS.get(op)
+        if name is None:
             return super().call(op, args)
-        return handler(self, args)
+        return getattr(self, name)(args)
 
     def on_exit(self, error: InferletError | None) -> None:
         """Close the engine connection: the engine frees every sequence of the run."""
@@ -353,18 +353,20 @@ class InferletHost(HostApi):
         # no await before the request is written: passes go out in submission order
         try:
             out = await self.client.forward(lanes, epilogue.spec if epilogue else protocol.ARGMAX)
+            if epilogue is None:
+                value = None
+            else:
+                start = sum(rows[:epilogue.lane])
+                mine = out[start:start + rows[epilogue.lane]]
+                value = mine[0] if len(mine) == 1 else mine
         except EngineError as e:
             self._complete(fid, error=f"{e.type}: {e.message}")
-            return
-        except Exception as e:
+        except BaseException as e:   # never leave the guest waiting on a pass that failed here
             self._complete(fid, error=f"{type(e).__name__}: {e}")
-            return
-        if epilogue is None:
-            self._complete(fid, value=None)
-            return
-        start = sum(rows[:epilogue.lane])
-        mine = out[start:start + rows[epilogue.lane]]
-        self._complete(fid, value=mine[0] if len(mine) == 1 else mine)
+            if not isinstance(e, Exception):
+                raise
+        else:
+            self._complete(fid, value=value)
 
     def _complete(self, fid: int, value: Any = None, error: str | None = None) -> None:
         try:
@@ -375,24 +377,38 @@ class InferletHost(HostApi):
         except KeyError:
             pass   # the run is over; nobody waits for it
 
-    _OPS: dict[str, Callable[["InferletHost", Any], Any]] = {
-        "model.info": _model_info,
-        "model.encode": _encode,
-        "model.decode": _decode,
-        "chat.prefix": lambda self, a: self.chat.prefix(),
-        "chat.system": lambda self, a: self.chat.system(str(a)),
-        "chat.user": lambda self, a: self.chat.user(str(a)),
-        "chat.assistant": lambda self, a: self.chat.assistant(str(a)),
-        "chat.cue": lambda self, a: self.chat.cue(),
-        "chat.cue_without_thinking": lambda self, a: self.chat.cue_without_thinking(),
-        "chat.stop_tokens": lambda self, a: self.chat.stop_tokens(),
-        "ws.create": _ws_create,
-        "ws.fork": _ws_fork,
-        "ws.state": _ws_state,
-        "ws.reserve": _ws_reserve,
-        "eta.epilogue": _epilogue,
-        "eta.submit": _submit,
+    # op -> method name (looked up on the instance, so subclasses can override a handler)
+    _OPS: dict[str, str] = {
+        "model.info": "_model_info", "model.encode": "_encode", "model.decode": "_decode",
+        "chat.prefix": "_chat_prefix", "chat.system": "_chat_system", "chat.user": "_chat_user",
+        "chat.assistant": "_chat_assistant", "chat.cue": "_chat_cue",
+        "chat.cue_without_thinking": "_chat_cue_without_thinking",
+        "chat.stop_tokens": "_chat_stop_tokens",
+        "ws.create": "_ws_create", "ws.fork": "_ws_fork", "ws.state": "_ws_state",
+        "ws.reserve": "_ws_reserve",
+        "eta.epilogue": "_epilogue", "eta.submit": "_submit",
     }
+
+    def _chat_prefix(self, args) -> list[int]:
+        return self.chat.prefix()
+
+    def _chat_system(self, text) -> list[int]:
+        return self.chat.system(str(text))
+
+    def _chat_user(self, text) -> list[int]:
+        return self.chat.user(str(text))
+
+    def _chat_assistant(self, text) -> list[int]:
+        return self.chat.assistant(str(text))
+
+    def _chat_cue(self, args) -> list[int]:
+        return self.chat.cue()
+
+    def _chat_cue_without_thinking(self, args) -> list[int]:
+        return self.chat.cue_without_thinking()
+
+    def _chat_stop_tokens(self, args) -> list[int]:
+        return self.chat.stop_tokens()
 
 
 # ---------------------------------------------------------------------------------------------
