@@ -215,3 +215,16 @@ async def main(input):
     out = run(served, sandbox, source, {"a": a, "b": b, "next": nb[0]})
     assert out == {"lane0": want0, "lane2": want2, "folded": len(a)}
     settle(engine, server, start)
+
+
+def test_session_receive_gets_client_messages(served, sandbox):
+    source = """
+from inferlet import session
+async def main(input):
+    a = await session.receive()
+    session.send("got " + a)
+    return {"a": a, "b": await session.receive()}
+"""
+    sent: list[str] = []
+    out = run(served, sandbox, source, {}, on_send=sent.append, messages=["one", {"two": 2}])
+    assert out == {"a": "one", "b": {"two": 2}} and sent == ["got one"]

@@ -11,6 +11,7 @@ Host operations (the guest SDK's calls; see sdk/inferlet/):
         chat.cue_without_thinking / chat.stop_tokens
     ws.create / ws.fork / ws.state / ws.reserve
     eta.epilogue (IR -> compiled id) / eta.submit (pass -> future id)
+    session.receive (-> future id of the next message given to `deliver`)
 
 Pass ordering: `eta.submit` schedules the pass on the loop thread with
 `run_coroutine_threadsafe`, which keeps call order, and the coroutine writes its request frame
@@ -211,6 +212,9 @@ class InferletHost(HostApi):
         self._epilogues: list[CompiledEpilogue] = []
         self._epilogue_ids: dict[str, int] = {}
         self.passes = 0
+        self._inbox: list[Any] = []                        # client messages not yet received
+        self._receivers: list[int] = []                    # futures of session.receive calls waiting
+        self._inbox_lock = threading.Lock()
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -262,6 +266,25 @@ class InferletHost(HostApi):
             self._wait(self.client.close(), 10)
         finally:
             self._stop_loop()
+
+    def deliver(self, message: Any) -> None:
+        """A message from the client (any thread): completes the oldest waiting session.receive."""
+        with self._inbox_lock:
+            if not self._receivers:
+                self._inbox.append(message)
+                return
+            fid = self._receivers.pop(0)
+        self._complete(fid, value=message)
+
+    def _receive(self, args) -> int:
+        fid = self.futures.new()
+        with self._inbox_lock:
+            if not self._inbox:
+                self._receivers.append(fid)
+                return fid
+            message = self._inbox.pop(0)
+        self._complete(fid, value=message)
+        return fid
 
     # -- model ----------------------------------------------------------------------------------
 
@@ -387,6 +410,7 @@ class InferletHost(HostApi):
         "ws.create": "_ws_create", "ws.fork": "_ws_fork", "ws.state": "_ws_state",
         "ws.reserve": "_ws_reserve",
         "eta.epilogue": "_epilogue", "eta.submit": "_submit",
+        "session.receive": "_receive",
     }
 
     def _chat_prefix(self, args) -> list[int]:
@@ -429,14 +453,18 @@ def default_sandbox() -> Sandbox:
 
 def run_inferlet(source: str, input: Any, engine_address: tuple[str, int], *,
                  on_send: Callable[[str], None] | None = None, timeout: float = 300.0,
-                 sandbox: Sandbox | None = None, memory_limit: int | None = None) -> Any:
+                 sandbox: Sandbox | None = None, memory_limit: int | None = None,
+                 messages: list[Any] = ()) -> Any:
     """Run one inferlet (its main module's `source`) on `input` against the engine at
-    `engine_address`; `session.send` text goes to `on_send` as it arrives. Returns main's
-    result (a dict for the documents' programs); raises InferletError."""
+    `engine_address`; `session.send` text goes to `on_send` as it arrives, `messages` are
+    what its `session.receive()` calls get, in order. Returns main's result (a dict for the
+    documents' programs); raises InferletError."""
     sandbox = sandbox or default_sandbox()
     try:
         host = InferletHost(tuple(engine_address), on_send=on_send)
     except (OSError, HostOpError, TimeoutError) as e:
         raise InferletError("trap", f"cannot reach the engine at {engine_address}: "
                                     f"{type(e).__name__}: {e}") from None
+    for message in messages:
+        host.deliver(message)
     return sandbox.run(source, input, host, timeout=timeout, memory_limit=memory_limit)
