@@ -192,6 +192,24 @@ del _name
 # forward passes and pipelines
 
 _epilogue_ids: dict[str, int] = {}   # IR text -> the host's compiled epilogue id (per run)
+_traced: dict = {}                    # (code, closure values, defaults) -> compiled epilogue id
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _trace_key(f):
+    """A key under which `f`'s trace can be reused: its code plus the plain values it closes
+    over (the same lambda written in a loop is traced once). None: trace every time."""
+    code = getattr(f, "__code__", None)
+    if code is None:
+        return None
+    try:
+        values = tuple(c.cell_contents for c in (f.__closure__ or ()))
+    except ValueError:        # an empty cell
+        return None
+    defaults = f.__defaults__ or ()
+    if not all(isinstance(v, _PLAIN) for v in values + defaults):
+        return None
+    return code, values, defaults
 
 
 class _Result:
@@ -253,10 +271,15 @@ class ForwardPass:
     def epilogue(self, f) -> _Result:
         """Attach device code run after the pass; returns an awaitable of its result.
         Usable as a decorator."""
-        ir = _dumps(trace(f))
-        eid = _epilogue_ids.get(ir)
+        key = _trace_key(f)
+        eid = _traced.get(key) if key is not None else None
         if eid is None:
-            eid = _epilogue_ids[ir] = _host.call("eta.epilogue", ir)
+            ir = _dumps(trace(f))
+            eid = _epilogue_ids.get(ir)
+            if eid is None:
+                eid = _epilogue_ids[ir] = _host.call("eta.epilogue", ir)
+            if key is not None:
+                _traced[key] = eid
         self._epilogue = eid
         self._result = _Result()
         return self._result
