@@ -10,11 +10,9 @@ then the engine's speed divided by each other system's. A system that cannot be 
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
 import platform
-import shlex
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -27,6 +25,7 @@ import torch
 
 from baselines import Speed, by_subtraction, llama_cpp, measure, torch_loop, transformers_generate
 from gguf_variants import default_gguf, variant
+from report import publish
 
 SYSTEMS = ("engine", "engine-compiled", "transformers", "torch", "llamacpp")
 BATCHES = (1, 8, 32)
@@ -155,13 +154,7 @@ def main() -> None:
            f"decode prompt {DECODE_PROMPT_LEN} tokens, median of {repeats}; "
            f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
     report = f"{table(rows)}\n\n{ratios(rows)}\n"
-    print(f"\n{env}\n\n{report}")
-    if args.out:
-        command = shlex.join(["python", *sys.argv])
-        date = datetime.datetime.now().isoformat(timespec="seconds")
-        with open(args.out, "a") as f:
-            f.write(f"\n## {args.title}\n\n`{command}` — {date}\n\n{env}\n\n{report}")
-
+    publish(env, report, args.out, args.title)
 
 if __name__ == "__main__":
     main()

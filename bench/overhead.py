@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import os
 import platform
 import random
-import shlex
 import statistics
 import sys
 import time
@@ -28,6 +26,7 @@ from typing import Awaitable, Callable
 
 import ray
 import uvloop
+from report import publish
 
 from pie_actors.gpu.engine import Engine, Lane, PassRequest
 from pie_actors.gpu.server import EPILOGUES, start_engine_actor
@@ -174,13 +173,7 @@ def main() -> None:
            f"client, median of {args.repeats}; 1-min load average {load_before:.1f} before, "
            f"{os.getloadavg()[0]:.1f} after")
     report = table(results, args.passes) + "\n"
-    print(f"\n{env}\n\n{report}")
-    if args.out:
-        command = shlex.join(["python", *sys.argv])
-        date = datetime.datetime.now().isoformat(timespec="seconds")
-        with open(args.out, "a") as f:
-            f.write(f"\n## {args.title}\n\n`{command}` — {date}\n\n{env}\n\n{report}")
-
+    publish(env, report, args.out, args.title)
 
 if __name__ == "__main__":
     main()

@@ -50,3 +50,16 @@ def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor
             tokens.append(int(row.argmax()))
             feed = torch.tensor([[tokens[-1]]])
     return tokens, torch.stack(logits)
+
+
+def serve(model_dir: Path, name: str = "smollm2-135m-instruct"):
+    """The model's engine (float32) started and served on a local port: yields (engine, server)."""
+    from pie_actors.gpu.server import EngineServer
+    engine = make_engine(model_dir, num_pages=256).start()
+    server = EngineServer(engine, name, model_dir)
+    server.start()
+    try:
+        yield engine, server
+    finally:
+        server.close()
+        engine.close()

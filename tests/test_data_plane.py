@@ -14,7 +14,7 @@ from pie_actors import model_store, protocol
 from pie_actors.cli import main as pie_main
 from pie_actors.gpu.server import EngineServer
 from pie_actors.inferlet.engine_client import EngineClient, EngineError
-from tests.engine_helpers import make_engine
+from tests.engine_helpers import make_engine, serve
 
 PROMPTS = [
     "The capital of France is", "List three colors:", "def add(a, b):", "Water boils at",
@@ -27,12 +27,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def served(default_model_dir):
     """The default model's engine (float32) served on a local port: (engine, server)."""
-    engine = make_engine(default_model_dir, num_pages=256).start()
-    server = EngineServer(engine, "smollm2", default_model_dir)
-    server.start()
-    yield engine, server
-    server.close()
-    engine.close()
+    yield from serve(default_model_dir)
 
 
 def referenced(server: EngineServer) -> int:
@@ -158,7 +153,7 @@ def test_bad_requests_fail_alone(served):
     assert "1000000" in errors["out of vocabulary"].message
     assert [(r["id"], r.get("error", {}).get("type")) for r in raw] == \
         [(None, "BadFrame"), (None, "BadRequest"), (None, "BadRequest"), (7, "BadRequest"), (8, None)]
-    assert raw[-1]["result"]["model"] == "smollm2"
+    assert raw[-1]["result"]["model"] == "smollm2-135m-instruct"
 
 
 def test_closing_a_connection_frees_its_sequences(served):
@@ -261,7 +256,7 @@ def test_dummy_model_resolves_and_lists(dummy_home, tmp_path, monkeypatch, capsy
 
 @pytest.fixture(scope="module")
 def ray_local():
-    ray = pytest.importorskip("ray")
+    import ray
     ray.init(num_cpus=2, include_dashboard=False)
     yield ray
     ray.shutdown()

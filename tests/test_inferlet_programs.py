@@ -8,13 +8,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("wasmtime")
-pytest.importorskip("componentize_py")
-
-from pie_actors.gpu.server import EngineServer  # noqa: E402
-from pie_actors.inferlet import InferletError, Sandbox  # noqa: E402
-from pie_actors.inferlet.runtime import ChatTokens, run_inferlet  # noqa: E402
-from tests.engine_helpers import make_engine  # noqa: E402
+from pie_actors.inferlet import InferletError, Sandbox
+from pie_actors.inferlet.runtime import ChatTokens, run_inferlet
+from tests.engine_helpers import serve
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 QUICKSTART = (EXAMPLES / "quickstart" / "main.py").read_text()
@@ -28,12 +24,8 @@ QUESTION = "What is the capital of France?"
 
 @pytest.fixture(scope="module")
 def served(default_model_dir):
-    engine = make_engine(default_model_dir, num_pages=256).start()
-    server = EngineServer(engine, "smollm2-135m-instruct", default_model_dir)
-    server.start()
-    yield engine, server
-    server.close()
-    engine.close()
+    """The default model's engine (float32) served on a local port: (engine, server)."""
+    yield from serve(default_model_dir)
 
 
 @pytest.fixture(scope="module")
