@@ -153,26 +153,44 @@ def _run(args: argparse.Namespace) -> int:
 
     source = _inferlet_source(args.file)
     inputs = parse_inputs(args.inputs)
-    # In one process for now: the Ray controller, warm actor pool and shared engines are next.
-    server, address = serve_model(args.model or "", device=args.device, dtype=args.dtype)
     streamed = []
 
     def stream(text: str) -> None:
         streamed.append(text)
         print(text, end="", flush=True)
 
+    engine_options = {k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v}
     try:
-        output = run_inferlet(source, inputs, address, timeout=args.timeout, on_send=stream)
+        if args.ray:
+            output = _run_on_ray(source, inputs, args, stream, engine_options)
+        else:
+            server, address = serve_model(args.model or "", **engine_options)
+            try:
+                output = run_inferlet(source, inputs, address, timeout=args.timeout, on_send=stream)
+            finally:
+                server.close()
+                server.engine.close()
     except InferletError as e:
         print(f"\npie: inferlet failed: {e}", file=sys.stderr)
         return 1
-    finally:
-        server.close()
-        server.engine.close()
     if streamed:
         print()                  # the returned JSON goes on its own line
     print(json.dumps(output, ensure_ascii=False))
     return 0
+
+
+def _run_on_ray(source: str, inputs: dict, args: argparse.Namespace, stream, engine_options: dict):
+    """Join the cluster at RAY_ADDRESS (or start a local one); its Controller supplies the engine
+    and a warm inferlet actor."""
+    import ray
+
+    from .controller import run_on_cluster
+    ray.init(log_to_driver=False)
+    try:
+        return run_on_cluster(source, inputs, args.model or "", on_send=stream, timeout=args.timeout,
+                              **engine_options)
+    finally:
+        ray.shutdown()
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
@@ -183,6 +201,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--device", help="cpu, cuda, cuda:N (default: config)")
     run.add_argument("--dtype", help="float32, bfloat16, float16 (default: config)")
     run.add_argument("--timeout", type=float, default=300.0, help="wall-clock limit in seconds")
+    run.add_argument("--ray", action="store_true",
+                     help="run on a Ray cluster (RAY_ADDRESS, else a local one): engine and inferlet actors "
+                          "from its Controller; without it everything runs in this process")
     run.set_defaults(handler=_run)
 
 

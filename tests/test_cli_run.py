@@ -31,6 +31,13 @@ def test_quickstart_streams_then_prints_json(default_model_dir):
     assert "\n".join(streamed) == result["text"]
 
 
+def test_quickstart_on_a_ray_cluster(default_model_dir):
+    out = _pie_run(default_model_dir, "--ray", "examples/quickstart/main.py", "--",
+                   "--question", "What is the capital of France?")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Paris" in json.loads(out.stdout.rstrip("\n").split("\n")[-1])["text"]
+
+
 def test_failing_inferlet_exits_1_with_its_traceback(default_model_dir, tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("async def main(input: dict) -> dict:\n    return {'x': 1 / input['zero']}\n")
