@@ -141,6 +141,44 @@ def test_malformed_pass_fails_alone(served, sandbox):
     settle(engine, server, start)
 
 
+# Each holds a working set with a prefilled prompt (KV pages in use) when it goes wrong.
+_HOLD_PAGES = """
+from inferlet import model
+from inferlet.eta import ForwardPass, Pipeline, StateGeometry, WorkingSet, intrinsics, reduce_argmax
+
+async def main(input):
+    ws, pipe = WorkingSet(), Pipeline()
+    fwd = ForwardPass()
+    fwd.embed(model.encode("A prompt long enough to hold a few pages of KV. " * 8))
+    fwd.state([ws], StateGeometry.folding())
+    out = fwd.epilogue(lambda: reduce_argmax(intrinsics.output(0, "logits")))
+    pipe.submit(fwd)
+    await out
+"""
+
+
+@pytest.mark.parametrize("kind, tail, limits", [
+    ("exception", "    raise RuntimeError('gave up')\n", {}),
+    ("timeout", "    while True:\n        pass\n", {"timeout": 3}),
+    ("memory", "    hog = []\n    while True:\n        hog.append(bytearray(10**6))\n",
+     {"memory_limit": 128 << 20}),
+])
+def test_a_failing_inferlet_returns_its_pages_while_another_finishes(served, sandbox, kind, tail, limits):
+    engine, server = served
+    start = referenced(server)
+    want = run(served, sandbox, COMPLETION_MAX, {"prompt": "Water boils at", "max_tokens": 12})
+    results: dict = {}
+    thread = threading.Thread(target=lambda: results.update(good=run(
+        served, sandbox, COMPLETION_MAX, {"prompt": "Water boils at", "max_tokens": 12})))
+    thread.start()
+    with pytest.raises(InferletError) as info:
+        run(served, sandbox, _HOLD_PAGES + tail, {}, **limits)
+    thread.join()
+    assert info.value.kind == kind, info.value
+    assert results["good"] == want
+    settle(engine, server, start)
+
+
 def test_unsupported_epilogue_is_refused_clearly(served, sandbox):
     source = COMPLETION.replace("reduce_argmax(intrinsics.output(0, \"logits\"))",
                                 "softmax(intrinsics.output(0, \"logits\"))").replace(
