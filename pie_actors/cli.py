@@ -136,14 +136,19 @@ def parse_inputs(words: list[str]) -> dict:
     return inputs
 
 
-def _inferlet_source(path: str) -> str:
-    """The program: a .py file, or a bundle folder holding main.py."""
+def _inferlet(path: str):
+    """(source, sandbox) for a .py file, or for a bundle folder holding main.py. A bundle with more
+    Python files gets its own component (built once, then cached); its main.py runs at launch."""
     p = Path(path)
     if p.is_dir():
-        p = p / "main.py"
+        main = p / "main.py"
+        if main.is_file() and any(f != main for f in p.rglob("*.py")):
+            from .inferlet.host import Sandbox
+            return "", Sandbox(bundle=p)
+        p = main
     if not p.is_file():
         raise FileNotFoundError(f"no inferlet at {path} (a .py file, or a folder with main.py)")
-    return p.read_text(encoding="utf-8")
+    return p.read_text(encoding="utf-8"), None
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -151,8 +156,10 @@ def _run(args: argparse.Namespace) -> int:
     from .inferlet.host import InferletError
     from .inferlet.runtime import run_inferlet
 
-    source = _inferlet_source(args.file)
+    source, sandbox = _inferlet(args.file)
     inputs = parse_inputs(args.inputs)
+    if sandbox is not None and args.ray:
+        raise ValueError("bundles with their own modules run in-process for now (drop --ray)")
     streamed = []
 
     def stream(text: str) -> None:
@@ -166,7 +173,8 @@ def _run(args: argparse.Namespace) -> int:
         else:
             server, address = serve_model(args.model or "", **engine_options)
             try:
-                output = run_inferlet(source, inputs, address, timeout=args.timeout, on_send=stream)
+                output = run_inferlet(source, inputs, address, timeout=args.timeout, on_send=stream,
+                                      sandbox=sandbox)
             finally:
                 server.close()
                 server.engine.close()
@@ -193,9 +201,27 @@ def _run_on_ray(source: str, inputs: dict, args: argparse.Namespace, stream, eng
         ray.shutdown()
 
 
+def _build(args: argparse.Namespace) -> int:
+    from .inferlet.build import build_bundle
+
+    art = build_bundle(args.dir)
+    print(f"{'cached' if art.from_cache else 'built'} {art.path} (modules: {', '.join(art.modules)})")
+    if art.missing:
+        print(f"pie: warning: imports neither in the bundle nor in the sandbox's stdlib: "
+              f"{', '.join(art.missing)}", file=sys.stderr)
+    return 0
+
+
+def _add_build(sub: argparse._SubParsersAction) -> None:
+    build = sub.add_parser("build", help="build a bundle (a folder with main.py and its pure-Python "
+                                         "modules) into its own sandbox component")
+    build.add_argument("dir")
+    build.set_defaults(handler=_build)
+
+
 def _add_run(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser("run", help="run an inferlet: pie run [options] main.py -- --key value ...")
-    run.add_argument("file", help="the inferlet: a .py file or a folder with main.py")
+    run.add_argument("file", help="the inferlet: a .py file, or a folder with main.py (and its modules)")
     run.add_argument("inputs", nargs=argparse.REMAINDER, help="-- then --key value pairs: the input dict")
     run.add_argument("--model", help="model name or path (default: the configured model)")
     run.add_argument("--device", help="cpu, cuda, cuda:N (default: config)")
@@ -207,7 +233,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     run.set_defaults(handler=_run)
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_model, _add_config, _add_generate, _add_run]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_model, _add_config, _add_generate, _add_run,
+                                                                   _add_build]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -52,6 +52,21 @@ def test_missing_inferlet_is_one_clear_line(default_model_dir):
     assert "Traceback" not in out.stderr
 
 
+def test_a_bundle_with_its_own_module_builds_and_runs(default_model_dir, tmp_path):
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "greeting.py").write_text("def greet(name):\n    return 'hello ' + name\n")
+    (bundle / "main.py").write_text("from inferlet import model\nfrom greeting import greet\n\n"
+                                    "async def main(input):\n"
+                                    "    return {'msg': greet(input['name']), 'n': len(model.encode('hi'))}\n")
+    pie = Path(sys.executable).parent / "pie"
+    built = subprocess.run([str(pie), "build", str(bundle)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0 and "greeting" in built.stdout, built.stderr
+    out = _pie_run(default_model_dir, str(bundle), "--", "--name", "pie")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip()) == {"msg": "hello pie", "n": 1}
+
+
 def test_input_arguments_parse_as_json_when_they_can():
     assert parse_inputs(["--question", "What is 2+2?", "--n", "3", "--t", "0.5", "--stream",
                          "--tags", '["a", "b"]']) == \
