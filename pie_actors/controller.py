@@ -45,8 +45,10 @@ class Controller:
         return actor
 
     def release(self, actor: Any) -> None:
-        """Back into the pool (an actor gets a fresh Store for every run)."""
-        if len(self.idle) < self.pool_size:
+        """Back into the pool (an actor gets a fresh Store for every run). `acquire` has already
+        started a replacement, so the pool keeps up to twice its size before it retires actors;
+        reusing a released actor (handed out first: the pool is a stack) is the cheapest launch."""
+        if len(self.idle) < 2 * self.pool_size:
             self.idle.append(actor)
         else:
             import ray
