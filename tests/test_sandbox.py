@@ -12,11 +12,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("wasmtime")
-pytest.importorskip("componentize_py")
-
-from pie_actors.inferlet import build as build_mod  # noqa: E402
-from pie_actors.inferlet import HostApi, InferletError, Sandbox, build_bundle  # noqa: E402
+from pie_actors.inferlet import build as build_mod
+from pie_actors.inferlet import HostApi, InferletError, Sandbox, build_bundle
 
 MEMORY_LIMIT = 256 << 20
 
