@@ -17,8 +17,8 @@ CHECK = textwrap.dedent("""
     g = torch.Generator().manual_seed(0)
     page, pool, hkv, d = 4, 24, 2, 16
     for hq in (2, 6):                                  # plain attention and a GQA group of 3
-        k = torch.randn(pool * page, hkv, d, generator=g)
-        v = torch.randn(pool * page, hkv, d, generator=g)
+        k = torch.randn(hkv, pool * page, d, generator=g)
+        v = torch.randn(hkv, pool * page, d, generator=g)
         lanes = [LanePlan(0, 1, [5, 2, 9], 11),        # partial last page
                  LanePlan(1, 1, [7], 1),               # a single slot
                  LanePlan(2, 1, [3, 4, 8, 1], 16),     # full pages

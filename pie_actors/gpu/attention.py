@@ -1,6 +1,7 @@
 """Paged attention over a flat KV slot array.
 
-The KV cache of one layer is a tensor [num_slots, kv_heads, head_dim] where slot = page * page_size + offset.
+The KV cache of one layer is a tensor [kv_heads, num_slots, head_dim] where slot = page * page_size + offset
+(head-major: a gather along slots comes out in the [heads, rows, dim] layout attention multiplies with).
 A batch mixes lanes of any length. Single-row lanes without a custom mask (decode) are served
 together: on the CPU their pages are gathered into one padded tensor for two batched matmuls, on CUDA
 a Triton kernel reads the pages in place. Longer lanes (prefill, drafts) get one SDPA call each. The
@@ -96,23 +97,23 @@ def _lane_mask(lane: LanePlan, device: torch.device) -> torch.Tensor | None:
 
 
 def _gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    # index_select, not cache[index]: advanced indexing takes a slow path on the CPU (~1 ms vs ~3 us here).
-    return cache.index_select(0, index.flatten()).view(*index.shape, *cache.shape[1:])
+    """cache [H, slots, D], index [...] -> [H, ..., D].
+    index_select, not cache[:, index]: advanced indexing takes a slow path on the CPU (~1 ms vs ~3 us here)."""
+    return cache.index_select(1, index.flatten()).view(cache.shape[0], *index.shape, cache.shape[-1])
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """One query row per lane: q [B, Hq, D], k/v [B, S, Hkv, D], mask [B, 1, 1, S] -> [B, Hq, D].
+    """One query row per lane: q [B, Hq, D], k/v [Hkv, B, S, D], mask [B, 1, 1, S] -> [B, Hq, D].
 
-    Two batched matmuls and a softmax instead of SDPA: for a single query row the flash kernel's
-    fixed cost dominates (~70 us a layer here). (A broadcast-multiply-sum that inductor fuses was
-    faster at batch 1 but 40% slower at batch 32.)"""
+    Two batched matmuls (over Hkv x B, on the gathered K/V as they are: no copy) and a softmax,
+    instead of SDPA, whose flash kernel has ~70 us of fixed cost a layer for one query row here.
+    (A broadcast-multiply-sum that inductor fuses was faster at batch 1, 40% slower at batch 32.)"""
     b, hq, d = q.shape
-    hkv = k.shape[2]
-    qg = q.view(b, hkv, hq // hkv, d)                                       # query heads grouped by KV head
-    k, v = k.transpose(1, 2), v.transpose(1, 2)                             # [B, Hkv, S, D]
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * d ** -0.5     # [B, Hkv, G, S]
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
-    return torch.matmul(probs, v).reshape(b, hq, d)
+    hkv = k.shape[0]
+    qg = q.view(b, hkv, hq // hkv, d).transpose(0, 1)                       # [Hkv, B, G, D]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * d ** -0.5     # [Hkv, B, G, S]
+    probs = scores.masked_fill(~mask.view(1, b, 1, -1), float("-inf")).softmax(-1).to(v.dtype)
+    return torch.matmul(probs, v).transpose(0, 1).reshape(b, hq, d)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -122,8 +123,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Writes this batch's K/V into the cache first, so a lane attends to its own new rows too.
     """
-    k_cache[meta.write_slots] = k         # index_put: stays in place under torch.compile
-    v_cache[meta.write_slots] = v
+    k_cache[:, meta.write_slots] = k.transpose(0, 1)    # index_put: stays in place under torch.compile
+    v_cache[:, meta.write_slots] = v.transpose(0, 1)
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     if meta.decode is not None:
@@ -137,8 +138,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for s in meta.singles:
         # Batched 4-D inputs: CPU SDPA takes its flash kernel only for those (3-D: the math path, 3x slower).
         qs = q[s.start:s.end].transpose(0, 1).unsqueeze(0)                 # [1, Hq, L, D]
-        ks = _gather(k_cache, s.index).transpose(0, 1).unsqueeze(0)        # [1, Hkv, S, D]
-        vs = _gather(v_cache, s.index).transpose(0, 1).unsqueeze(0)
+        ks = _gather(k_cache, s.index).unsqueeze(0)                        # [1, Hkv, S, D]
+        vs = _gather(v_cache, s.index).unsqueeze(0)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, is_causal=s.mask is None,
                                            enable_gqa=gqa)[0]
         out[s.start:s.end] = o.transpose(0, 1)

@@ -51,16 +51,16 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, pages_ptr, lens_ptr, scal
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            pages: torch.Tensor, lengths: torch.Tensor, page_size: int) -> torch.Tensor:
-    """q [B, Hq, D]; caches [slots, Hkv, D]; pages [B, P] page table; lengths [B] slots attended.
+    """q [B, Hq, D]; caches [Hkv, slots, D]; pages [B, P] page table; lengths [B] slots attended.
 
     Returns [B, Hq, D]. Head dim and page size must be powers of two (Triton block shapes)."""
     b, hq, d = q.shape
-    hkv = k_cache.shape[1]
+    hkv = k_cache.shape[0]
     group = hq // hkv
     q = q.contiguous()
     out = torch.empty_like(q)
     _paged_decode_kernel[(b, hkv)](
         q, k_cache, v_cache, out, pages, lengths, d ** -0.5,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), pages.stride(0),
+        q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(0), pages.stride(0),
         GROUP=group, BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=d, PAGE=page_size)
     return out

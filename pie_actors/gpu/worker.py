@@ -35,7 +35,7 @@ def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype, tp: 
 
 
 class Worker:
-    """One rank: the model shard plus per-layer K and V caches of shape [num_pages * page_size, kv_heads, head_dim]."""
+    """One rank: the model shard plus per-layer K and V caches of shape [kv_heads, num_pages * page_size, head_dim]."""
 
     def __init__(self, model_dir: str | Path, *, device: torch.device, dtype: torch.dtype,
                  num_pages: int, page_size: int, comm: Comm | None = None, num_threads: int | None = None,
@@ -57,7 +57,7 @@ class Worker:
         self.model.eval()
         heads = self.cfg.num_kv_heads // self.comm.world_size
         # One page past the pool: a scratch page for the padding rows of compiled decode batches.
-        shape = ((num_pages + 1) * page_size, heads, self.cfg.head_dim)
+        shape = (heads, (num_pages + 1) * page_size, self.cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(self.cfg.num_layers)]
@@ -87,8 +87,8 @@ class Worker:
         src = (torch.tensor([s for s, _ in copies], device=self.device).unsqueeze(1) * ps + offsets).flatten()
         dst = (torch.tensor([d for _, d in copies], device=self.device).unsqueeze(1) * ps + offsets).flatten()
         for k, v in self.kv_caches:
-            k.index_copy_(0, dst, k.index_select(0, src))
-            v.index_copy_(0, dst, v.index_select(0, src))
+            k.index_copy_(1, dst, k.index_select(1, src))
+            v.index_copy_(1, dst, v.index_select(1, src))
 
     def serve(self) -> None:
         """Ranks > 0: run every plan rank 0 broadcasts until it broadcasts None."""
