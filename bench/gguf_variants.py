@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
+from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf.quants import dequantize
 
 OUT_DIR = Path(__file__).parent / "_out"

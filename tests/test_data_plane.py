@@ -14,7 +14,7 @@ from pie_actors import model_store, protocol
 from pie_actors.cli import main as pie_main
 from pie_actors.gpu.server import EngineServer
 from pie_actors.inferlet.engine_client import EngineClient, EngineError
-from tests.engine_helpers import make_engine, serve
+from tests.engine_helpers import serve
 
 PROMPTS = [
     "The capital of France is", "List three colors:", "def add(a, b):", "Water boils at",

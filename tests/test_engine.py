@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pie_actors.gpu.engine import Lane, PassError, PassRequest
-from pie_actors.kvstore import KVStoreError, OutOfPages, UnknownSequence
+from pie_actors.kvstore import OutOfPages, UnknownSequence
 from tests.engine_helpers import make_engine
 
 ARGMAX = lambda logits: int(logits[-1].argmax())    # noqa: E731

@@ -12,7 +12,6 @@ import threading
 from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import torch

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable
