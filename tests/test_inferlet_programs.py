@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from pie_actors.inferlet import InferletError, Sandbox
-from pie_actors.inferlet.runtime import ChatTokens, run_inferlet
+from pie_actors.inferlet.chat_ops import ChatTokens
+from pie_actors.inferlet.runtime import run_inferlet
 from tests.engine_helpers import serve
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
