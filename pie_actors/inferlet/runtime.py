@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from .. import protocol
 from .engine_client import EngineClient, EngineError
-from .chat_ops import ChatOps, ChatTokens
+from .chat_ops import ChatOps
 from .host import HostApi, HostOpError, InferletError, Sandbox
 
 __all__ = ["InferletHost", "run_inferlet", "ir_to_epilogue", "default_sandbox"]
