@@ -1,4 +1,4 @@
-"""The `pie` command line (and the `pie-client` stub).
+"""The `pie` command line, and `pie-client` (talks to the processes of a running cluster).
 
 Each top-level subcommand is one `_add_<name>(subparsers)` function that builds its parser and sets
 `handler` to a small function taking the parsed arguments; to add a subcommand (generate, run,
@@ -136,66 +136,108 @@ def parse_inputs(words: list[str]) -> dict:
     return inputs
 
 
-def _inferlet(path: str):
-    """(source, sandbox) for a .py file, or for a bundle folder holding main.py. A bundle with more
-    Python files gets its own component (built once, then cached); its main.py runs at launch."""
+def _inferlet(path: str) -> tuple[str, Path | None]:
+    """(source, bundle folder) for a .py file, or for a folder holding main.py. A folder with more
+    Python files is a bundle: it gets its own component (built once, then cached) and its main.py
+    runs at launch (source "")."""
     p = Path(path)
     if p.is_dir():
         main = p / "main.py"
         if main.is_file() and any(f != main for f in p.rglob("*.py")):
-            from .inferlet.host import Sandbox
-            return "", Sandbox(bundle=p)
+            return "", p
         p = main
     if not p.is_file():
         raise FileNotFoundError(f"no inferlet at {path} (a .py file, or a folder with main.py)")
     return p.read_text(encoding="utf-8"), None
 
 
-def _run(args: argparse.Namespace) -> int:
-    from .gpu.server import serve_model
-    from .inferlet.host import InferletError
-    from .inferlet.runtime import run_inferlet
+def _attached_files(specs: list[str]) -> dict[str, bytes]:
+    """`--file name=path` options into {name: contents} for `session.file(name)`."""
+    files = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--file takes name=path, got {spec!r}")
+        files[name] = Path(path).read_bytes()
+    return files
 
-    source, sandbox = _inferlet(args.file)
-    inputs = parse_inputs(args.inputs)
-    if sandbox is not None and args.ray:
-        raise ValueError("bundles with their own modules run in-process for now (drop --ray)")
-    streamed = []
 
-    def stream(text: str) -> None:
-        streamed.append(text)
+class _Output:
+    """Where a run's session output goes: text to stdout as it arrives, files into a folder."""
+
+    def __init__(self, files_dir: str | None):
+        self.streamed = False
+        self.files_dir = Path(files_dir) if files_dir else None
+        self.files = 0
+
+    def text(self, text: str) -> None:
+        self.streamed = True
         print(text, end="", flush=True)
 
+    def file(self, data: bytes) -> None:
+        self.files += 1
+        if self.files_dir is None:
+            print(f"\npie: the inferlet sent a file ({len(data)} bytes); keep files with --files-out DIR",
+                  file=sys.stderr)
+            return
+        self.files_dir.mkdir(parents=True, exist_ok=True)
+        path = self.files_dir / f"file-{self.files}.bin"
+        path.write_bytes(data)
+        print(f"\npie: wrote {path} ({len(data)} bytes)", file=sys.stderr)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .inferlet.host import InferletError
+
+    out = _Output(args.files_out)
+    files = _attached_files(args.file_attach)
+    inputs = parse_inputs(args.inputs)
     engine_options = {k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v}
     try:
-        if args.ray:
-            output = _run_on_ray(source, inputs, args, stream, engine_options)
+        if args.local:
+            output = _run_local(args, inputs, files, out, engine_options)
         else:
-            server, address = serve_model(args.model or "", **engine_options)
-            try:
-                output = run_inferlet(source, inputs, address, timeout=args.timeout, on_send=stream,
-                                      sandbox=sandbox)
-            finally:
-                server.close()
-                server.engine.close()
+            output = _run_on_ray(args, inputs, files, out, engine_options)
     except InferletError as e:
         print(f"\npie: inferlet failed: {e}", file=sys.stderr)
         return 1
-    if streamed:
+    if out.streamed:
         print()                  # the returned JSON goes on its own line
     print(json.dumps(output, ensure_ascii=False))
     return 0
 
 
-def _run_on_ray(source: str, inputs: dict, args: argparse.Namespace, stream, engine_options: dict):
-    """Join the cluster at RAY_ADDRESS (or start a local one); its Controller supplies the engine
-    and a warm inferlet actor."""
+def _run_local(args, inputs: dict, files: dict, out: _Output, engine_options: dict):
+    """Everything in this process: an engine, its data-plane server, the sandbox."""
+    from .gpu.server import serve_model
+    from .inferlet.host import Sandbox
+    from .inferlet.runtime import run_inferlet
+
+    source, bundle = _inferlet(args.file)
+    server, address = serve_model(args.model or "", **engine_options)
+    try:
+        return run_inferlet(source, inputs, address, timeout=args.timeout, on_send=out.text,
+                            on_send_file=out.file, files=files,
+                            sandbox=Sandbox(bundle=bundle) if bundle is not None else None)
+    finally:
+        server.close()
+        server.engine.close()
+
+
+def _run_on_ray(args, inputs: dict, files: dict, out: _Output, engine_options: dict):
+    """Join the cluster at RAY_ADDRESS or the one running on this machine, else start a local one
+    (stopped again at the end); its Controller supplies the engine and a warm inferlet actor."""
     import ray
 
     from .controller import run_on_cluster
-    ray.init(log_to_driver=False)
+    from .inferlet.actor import bundle_files
+
+    source, bundle = _inferlet(args.file)
+    ray.init(log_to_driver=False, logging_level="ERROR", configure_logging=False)
     try:
-        return run_on_cluster(source, inputs, args.model or "", on_send=stream, timeout=args.timeout,
+        return run_on_cluster(source, inputs, args.model or "", name=args.name, on_send=out.text,
+                              on_send_file=out.file, timeout=args.timeout, files=files,
+                              bundle=bundle_files(bundle) if bundle is not None else None,
                               **engine_options)
     finally:
         ray.shutdown()
@@ -227,9 +269,13 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--device", help="cpu, cuda, cuda:N (default: config)")
     run.add_argument("--dtype", help="float32, bfloat16, float16 (default: config)")
     run.add_argument("--timeout", type=float, default=300.0, help="wall-clock limit in seconds")
-    run.add_argument("--ray", action="store_true",
-                     help="run on a Ray cluster (RAY_ADDRESS, else a local one): engine and inferlet actors "
-                          "from its Controller; without it everything runs in this process")
+    run.add_argument("--file", dest="file_attach", action="append", default=[], metavar="NAME=PATH",
+                     help="attach a file, read in the inferlet with session.file(NAME) (repeatable)")
+    run.add_argument("--files-out", metavar="DIR", help="where files the inferlet sends are written")
+    run.add_argument("--name", help="process name (for pie-client send/kill and session.send_to)")
+    run.add_argument("--local", action="store_true",
+                     help="run everything in this process (no Ray): engine, server and sandbox. Default: "
+                          "join the Ray cluster at RAY_ADDRESS or on this machine, or start a local one")
     run.set_defaults(handler=_run)
 
 
@@ -246,19 +292,87 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return _dispatch(build_parser().parse_args(argv), "pie")
+
+
+# --- pie-client: talk to the processes of a running cluster ---------------------------------------
+
+def _controller():
+    """The Controller of the cluster at RAY_ADDRESS or on this machine (never starts one)."""
+    import ray
+
+    from .controller import NAME, NAMESPACE
+    try:
+        ray.init(address="auto", log_to_driver=False, logging_level="ERROR", configure_logging=False)
+    except ConnectionError:
+        raise ValueError("no Ray cluster is running here (start one with `ray start --head`, or set "
+                         "RAY_ADDRESS)") from None
+    try:
+        return ray.get_actor(NAME, namespace=NAMESPACE)
+    except ValueError:
+        raise ValueError("the cluster has no pie Controller yet (it starts with the first `pie run`)") from None
+
+
+def _client_ps(args: argparse.Namespace) -> int:
+    import ray
+    status = ray.get(_controller().status.remote())
+    print(f"{'PROCESS':24} {'MODEL':28} RUNNING")
+    for name, p in sorted(status["processes"].items()):
+        print(f"{name:24} {p['model'] or '(default)':28} {p['running_s']:.1f}s")
+    return 0
+
+
+def _client_call(method: str, *call_args) -> int:
+    import ray
+
+    from .controller import UnknownProcess
+    try:
+        ray.get(getattr(_controller(), method).remote(*call_args))
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, (UnknownProcess, ValueError)):
+            raise ValueError(str(e.cause)) from None
+        raise
+    return 0
+
+
+def _client_send(args: argparse.Namespace) -> int:
+    try:
+        message = json.loads(args.message)
+    except json.JSONDecodeError:
+        message = args.message
+    return _client_call("send", args.process, message)
+
+
+def _client_kill(args: argparse.Namespace) -> int:
+    return _client_call("kill", args.process)
+
+
+def build_client_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pie-client", description="talk to running inferlets")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("ps", help="list running inferlet processes").set_defaults(handler=_client_ps)
+    send = sub.add_parser("send", help="send a message to a process's session.receive()")
+    send.add_argument("process")
+    send.add_argument("message", help="text, or JSON")
+    send.set_defaults(handler=_client_send)
+    kill = sub.add_parser("kill", help="cancel a process (its KV pages return)")
+    kill.add_argument("process")
+    kill.set_defaults(handler=_client_kill)
+    return parser
+
+
+def _dispatch(args: argparse.Namespace, prog: str) -> int:
     try:
         return args.handler(args)
     except _USER_ERRORS as e:
-        print(f"pie: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
 
 
 def client_main(argv: list[str] | None = None) -> int:
-    print("pie-client: not implemented yet (see issue 3)", file=sys.stderr)
-    return 2
+    return _dispatch(build_client_parser().parse_args(argv), "pie-client")
 
 
 if __name__ == "__main__":

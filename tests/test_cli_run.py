@@ -21,33 +21,53 @@ def _pie_run(default_model_dir, *args: str) -> subprocess.CompletedProcess:
                           timeout=300, env=env, cwd=ROOT)
 
 
-def test_quickstart_streams_then_prints_json(default_model_dir):
-    out = _pie_run(default_model_dir, "examples/quickstart/main.py", "--",
+@pytest.mark.parametrize("where", [[], ["--local"]], ids=["ray", "local"])
+def test_quickstart_streams_then_prints_json(default_model_dir, where):
+    """By default `pie run` starts a local Ray cluster (none runs here) and uses its Controller;
+    --local runs everything in the process."""
+    out = _pie_run(default_model_dir, *where, "examples/quickstart/main.py", "--",
                    "--question", "What is the capital of France?")
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 0, out.stderr[-2000:]
     *streamed, last = out.stdout.rstrip("\n").split("\n")
     result = json.loads(last)
     assert "Paris" in result["text"]
     assert "\n".join(streamed) == result["text"]
 
 
-def test_quickstart_on_a_ray_cluster(default_model_dir):
-    out = _pie_run(default_model_dir, "--ray", "examples/quickstart/main.py", "--",
-                   "--question", "What is the capital of France?")
+FILES = """
+from inferlet import session
+
+async def main(input):
+    data = session.file("notes")
+    session.send_file(data[::-1])
+    return {"size": len(data), "head": data[:5].decode()}
+"""
+
+
+def test_attached_files_are_read_and_sent_files_written(default_model_dir, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_bytes(b"hello \x00\xff world")
+    prog = tmp_path / "files.py"
+    prog.write_text(FILES)
+    out = _pie_run(default_model_dir, "--local", "--file", f"notes={notes}", "--files-out",
+                   str(tmp_path / "out"), str(prog))
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "Paris" in json.loads(out.stdout.rstrip("\n").split("\n")[-1])["text"]
+    assert json.loads(out.stdout.strip()) == {"size": 14, "head": "hello"}
+    assert (tmp_path / "out" / "file-1.bin").read_bytes() == notes.read_bytes()[::-1]
+    missing = _pie_run(default_model_dir, "--local", str(prog))
+    assert missing.returncode == 1 and "no file named 'notes' was attached" in missing.stderr
 
 
 def test_failing_inferlet_exits_1_with_its_traceback(default_model_dir, tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("async def main(input: dict) -> dict:\n    return {'x': 1 / input['zero']}\n")
-    out = _pie_run(default_model_dir, str(bad), "--", "--zero", "0")
+    out = _pie_run(default_model_dir, "--local", str(bad), "--", "--zero", "0")
     assert out.returncode == 1
     assert "ZeroDivisionError" in out.stderr and "line 2" in out.stderr
 
 
 def test_missing_inferlet_is_one_clear_line(default_model_dir):
-    out = _pie_run(default_model_dir, "no/such/main.py")
+    out = _pie_run(default_model_dir, "--local", "no/such/main.py")
     assert out.returncode == 1 and "no inferlet at no/such/main.py" in out.stderr
     assert "Traceback" not in out.stderr
 
@@ -62,7 +82,7 @@ def test_a_bundle_with_its_own_module_builds_and_runs(default_model_dir, tmp_pat
     pie = Path(sys.executable).parent / "pie"
     built = subprocess.run([str(pie), "build", str(bundle)], capture_output=True, text=True, timeout=300)
     assert built.returncode == 0 and "greeting" in built.stdout, built.stderr
-    out = _pie_run(default_model_dir, str(bundle), "--", "--name", "pie")
+    out = _pie_run(default_model_dir, str(bundle), "--", "--name", "pie")    # shipped to a Ray actor
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip()) == {"msg": "hello pie", "n": 1}
 
@@ -73,3 +93,54 @@ def test_input_arguments_parse_as_json_when_they_can():
         {"question": "What is 2+2?", "n": 3, "t": 0.5, "stream": True, "tags": ["a", "b"]}
     with pytest.raises(ValueError, match="--key value"):
         parse_inputs(["question", "x"])
+
+
+WAITER = """
+from inferlet import session
+
+async def main(input):
+    session.send("waiting")
+    return {"got": await session.receive()}
+"""
+
+
+def _wait_line(stream, timeout: float = 120.0) -> None:
+    """Block until the background run has streamed its first text (it is waiting then)."""
+    import select
+    ready, _, _ = select.select([stream], [], [], timeout)
+    assert ready and stream.read(7) == "waiting"
+
+
+def test_pie_client_lists_messages_and_kills_processes_of_a_running_cluster(default_model_dir, tmp_path):
+    """`ray start --head` keeps a cluster up between commands: `pie run` joins it (its engine stays
+    warm), `pie-client` finds its processes by name."""
+    bin_dir = Path(sys.executable).parent
+    env = dict(os.environ, PIE_HOME=str(default_model_dir.parent.parent), RAY_AUTH_MODE="disabled")
+    prog = tmp_path / "waiter.py"
+    prog.write_text(WAITER)
+
+    def client(*args):
+        return subprocess.run([str(bin_dir / "pie-client"), *args], capture_output=True, text=True,
+                              timeout=120, env=env)
+
+    assert "no Ray cluster" in client("ps").stderr
+    subprocess.run([str(bin_dir / "ray"), "start", "--head", "--num-cpus", "2", "--include-dashboard=false"],
+                   check=True, capture_output=True, timeout=120, env=env)
+    try:
+        runs = {name: subprocess.Popen([str(bin_dir / "pie"), "run", "--dtype", "float32", "--name", name,
+                                        str(prog)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True, env=env, cwd=ROOT) for name in ("one", "two")}
+        for run in runs.values():
+            _wait_line(run.stdout)
+        listed = client("ps")
+        assert listed.returncode == 0 and {"one", "two"} <= set(listed.stdout.split())
+        assert client("send", "one", '{"n": 1}').returncode == 0
+        out, _ = runs["one"].communicate(timeout=60)
+        assert json.loads(out.strip().splitlines()[-1]) == {"got": {"n": 1}}
+        assert client("kill", "two").returncode == 0
+        _, err = runs["two"].communicate(timeout=60)
+        assert runs["two"].returncode == 1 and "cancelled: killed by request (process 'two')" in err
+        missing = client("send", "two", "hi")
+        assert missing.returncode == 1 and "no running inferlet named 'two'" in missing.stderr
+    finally:
+        subprocess.run([str(bin_dir / "ray"), "stop", "--force"], capture_output=True, timeout=120, env=env)

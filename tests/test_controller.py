@@ -1,13 +1,15 @@
 """The Controller: engines by model, a warm pool of inferlet actors, launches on a Ray cluster."""
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import ray
 
 from pie_actors.controller import connect, run_on_cluster
+from pie_actors.inferlet.actor import bundle_files
 from pie_actors.inferlet.host import InferletError
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -58,3 +60,94 @@ def test_a_failing_inferlet_raises_with_its_traceback(cluster):
         cluster("async def main(input):\n    return {'x': input['missing']}\n", {})
     assert info.value.kind == "exception" and "KeyError" in info.value.message
     assert "line 2" in info.value.guest_traceback
+
+
+WAITER = """
+from inferlet import chat, model, session
+from inferlet.eta import ForwardPass, Pipeline, WorkingSet, intrinsics, reduce_argmax
+
+async def main(input):
+    ws, pipe = WorkingSet(), Pipeline()          # hold some KV pages while waiting
+    fwd = ForwardPass()
+    fwd.embed(chat.prefix() + model.encode("A long wait begins here"))
+    fwd.state([ws])
+    first = fwd.epilogue(lambda: reduce_argmax(intrinsics.output(0, "logits")))
+    pipe.submit(fwd)
+    await first
+    session.send("ready")
+    return {"got": await session.receive(), "folded": ws.folded()}
+"""
+
+SENDER = """
+from inferlet import session
+
+async def main(input):
+    session.send_to(input["to"], {"from": input["me"]})
+    return {"sent": True}
+"""
+
+
+def _start(cluster, source, input, name=None):
+    """Run in a thread; returns (future of the output, the process name once launched, sends)."""
+    launched, sent = Future(), []
+
+    def on_send(text):
+        sent.append(text)
+    pool = ThreadPoolExecutor(1)
+    out = pool.submit(cluster, source, input, name=name, on_send=on_send, on_start=launched.set_result)
+    pool.shutdown(wait=False)
+    return out, launched.result(60), sent
+
+
+def _wait_for(predicate, timeout=60.0):
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
+
+
+def _engine_stats():
+    engine = ray.get(connect().__ray_call__.remote(lambda self: next(iter(self.engines.values()))[0]))
+    return ray.get(engine.stats.remote())
+
+
+def test_named_processes_take_messages_from_clients_and_each_other(cluster):
+    out, name, sent = _start(cluster, WAITER, {}, name="waiter")
+    assert name == "waiter"
+    _wait_for(lambda: sent == ["ready"])
+    status = ray.get(connect().status.remote())
+    assert "waiter" in status["processes"]
+    with pytest.raises(ValueError, match="already running"):
+        cluster(SENDER, {"to": "x", "me": "y"}, name="waiter")
+    assert cluster(SENDER, {"to": "waiter", "me": "sender"}) == {"sent": True}      # session.send_to
+    result = out.result(60)
+    assert result["got"] == {"from": "sender"} and result["folded"] > 0
+    _wait_for(lambda: "waiter" not in ray.get(connect().status.remote())["processes"])
+    with pytest.raises(InferletError, match="no running inferlet named 'waiter'"):
+        cluster(SENDER, {"to": "waiter", "me": "late"})
+    # a client message, through the Controller
+    out, name, sent = _start(cluster, WAITER, {})
+    _wait_for(lambda: sent == ["ready"])
+    ray.get(connect().send.remote(name, "from the client"))
+    assert out.result(60)["got"] == "from the client"
+
+
+def test_killing_a_process_cancels_it_and_returns_its_pages(cluster):
+    out, name, sent = _start(cluster, WAITER, {})
+    _wait_for(lambda: sent == ["ready"])
+    assert _engine_stats()["kv"]["referenced"] > 0
+    ray.get(connect().kill.remote(name))
+    with pytest.raises(InferletError) as info:
+        out.result(60)
+    assert info.value.kind == "cancelled" and name in info.value.message
+    _wait_for(lambda: _engine_stats()["kv"]["referenced"] == 0 and _engine_stats()["sequences"] == 0)
+    assert name not in ray.get(connect().status.remote())["processes"]
+
+
+def test_files_and_bundles_travel_to_the_actor(cluster, tmp_path):
+    (tmp_path / "helper.py").write_text("def shout(s):\n    return s.upper()\n")
+    (tmp_path / "main.py").write_text("from inferlet import session\nfrom helper import shout\n\n"
+                                      "async def main(input):\n"
+                                      "    return {'text': shout(session.file('f').decode())}\n")
+    out = cluster("", {}, files={"f": b"quiet"}, bundle=bundle_files(tmp_path))
+    assert out == {"text": "QUIET"}

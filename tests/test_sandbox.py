@@ -305,3 +305,19 @@ def test_build_bundle_with_helper_modules(tmp_path: Path, sandbox):
     # the plain runner has no colorsys: the bundle component really holds more
     err = run_fail(sandbox, "import colorsys\nasync def main(input):\n    return {}\n")
     assert "No module named 'colorsys'" in err.message
+
+
+def test_the_component_cache_keeps_the_most_recently_used(tmp_path, monkeypatch):
+    import os
+
+    from pie_actors.inferlet.build import cache_dir, prune_cache
+    monkeypatch.setenv("PIE_HOME", str(tmp_path))
+    folder = cache_dir()
+    folder.mkdir(parents=True)
+    for age, name in enumerate(["new", "mid", "old", "older"]):
+        path = folder / f"runner-{name}.cwasm"
+        path.write_bytes(b"x")
+        os.utime(path, (1e9 - age * 100, 1e9 - age * 100))
+    deleted = prune_cache(keep=2)
+    assert sorted(p.name for p in deleted) == ["runner-old.cwasm", "runner-older.cwasm"]
+    assert sorted(p.name for p in folder.glob("*.cwasm")) == ["runner-mid.cwasm", "runner-new.cwasm"]

@@ -177,16 +177,41 @@ def componentize(out: Path, bundle_source: str = EMPTY_BUNDLE) -> None:
                                f"{proc.stdout}\n{proc.stderr}".strip())
 
 
+CACHE_KEEP = 8     # compiled components kept on disk (~40 MB each), least recently used go first
+
+
+def prune_cache(keep: int = CACHE_KEEP) -> list[Path]:
+    """Delete all but the `keep` most recently used artifacts (a hit refreshes its mtime); one
+    being built right now (its lock held) is left alone. Returns the deleted paths."""
+    artifacts = sorted(cache_dir().glob("*.cwasm"), key=lambda p: p.stat().st_mtime, reverse=True)
+    deleted = []
+    for path in artifacts[keep:]:
+        with open(path.with_suffix(".lock"), "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            path.unlink(missing_ok=True)   # a process that loaded it keeps its mapping
+            path.with_suffix(".lock").unlink(missing_ok=True)
+            deleted.append(path)
+    return deleted
+
+
+def _hit(path: Path, key: str) -> Artifact:
+    os.utime(path)                          # most recently used: the last to be pruned
+    return Artifact(path, key, from_cache=True)
+
+
 def _ensure(name: str, bundle_source: str, engine=None) -> Artifact:
     key = _key(bundle_source)
     path = cache_dir() / f"{name}-{key[:32]}.cwasm"
     if path.is_file():
-        return Artifact(path, key, from_cache=True)
+        return _hit(path, key)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)        # someone else may be building the same thing
         if path.is_file():
-            return Artifact(path, key, from_cache=True)
+            return _hit(path, key)
         from wasmtime.component import Component
 
         engine = engine or new_engine()
@@ -202,6 +227,7 @@ def _ensure(name: str, bundle_source: str, engine=None) -> Artifact:
         partial = path.with_name(path.name + f".{os.getpid()}.tmp")
         partial.write_bytes(blob)
         os.replace(partial, path)
+    prune_cache()
     return Artifact(path, key, from_cache=False, build_s=t1 - t0, compile_s=t2 - t1,
                     wasm_bytes=wasm_bytes)
 

@@ -56,10 +56,11 @@ class InferletError(Exception):
     """A run of an inferlet that failed.
 
     kind: "exception" (the inferlet raised), "timeout" (wall-clock deadline), "memory"
-    (memory limit), or "trap" (the WebAssembly instance trapped, or a host import failed).
+    (memory limit), "trap" (the WebAssembly instance trapped, or a host import failed), or
+    "cancelled" (stopped from outside: `Sandbox.cancel`).
     """
 
-    KINDS = ("exception", "timeout", "memory", "trap")
+    KINDS = ("exception", "timeout", "memory", "trap", "cancelled")
 
     def __init__(self, kind: str, message: str, guest_traceback: str = ""):
         assert kind in self.KINDS, kind
@@ -88,6 +89,7 @@ class FutureTable:
         self._next = 1
         self._open: set[int] = set()              # minted, not completed yet
         self._done: dict[int, dict] = {}          # completed, not yet reported to the guest
+        self._interrupted = False                 # set by interrupt(): waits return at once
         self.max_open = 0                         # most futures open at once (a concurrency gauge)
 
     def new(self) -> int:
@@ -114,6 +116,12 @@ class FutureTable:
         """Complete future `fid` with an error: the guest's await raises HostError(message)."""
         self._complete(fid, {"err": str(message)})
 
+    def interrupt(self) -> None:
+        """Make every wait_any, now and later, return at once (the run is being cancelled)."""
+        with self._cond:
+            self._interrupted = True
+            self._cond.notify_all()
+
     def open_count(self) -> int:
         with self._cond:
             return len(self._open)
@@ -138,7 +146,7 @@ class FutureTable:
         with self._cond:
             while True:
                 out = self._take(ids)
-                if out:
+                if out or self._interrupted:
                     return out
                 left = None if end is None else end - time.monotonic()
                 if left is not None and left <= 0:
@@ -231,7 +239,15 @@ class _Run:
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout
         self.failure: InferletError | None = None
+        self.cancelled: str | None = None         # why the run was cancelled from outside
         self.stderr_tail = ""                     # the guest's last stderr output, for trap reports
+
+    def cancel(self, reason: str) -> None:
+        """End the run at its next host call or wait (a guest computing without calling the
+        host is stopped by its deadline)."""
+        self.cancelled = reason
+        self.deadline = time.monotonic()
+        self.api.futures.interrupt()
 
     def output(self, stream: str, data: bytes) -> None:
         if stream == "stderr":
@@ -244,6 +260,8 @@ class _Run:
 def _call(run: _Run, op: str, args: str):
     from wasmtime.component import Variant
 
+    if run.cancelled is not None:
+        raise _Deadline()
     try:
         result = run.api.call(op, json.loads(args))
         return Variant("ok", _dumps(result))
@@ -298,6 +316,7 @@ class Sandbox:
         self.deserialize_s = time.perf_counter() - t0
         self._ticker = _EpochTicker.of(self.engine)
         self._tls = threading.local()
+        self._runs: dict[int, _Run] = {}           # id(api) -> its run in progress
         self.linker = Linker(self.engine)
         self.linker.add_wasip2()
         with self.linker.root() as root:
@@ -328,8 +347,9 @@ class Sandbox:
             try:
                 return fn(run, *args)
             except _Deadline:
-                run.failure = InferletError("timeout", f"deadline of {run.timeout:.3g} s "
-                                                       "passed while waiting on the host")
+                run.failure = (InferletError("cancelled", run.cancelled) if run.cancelled is not None
+                               else InferletError("timeout", f"deadline of {run.timeout:.3g} s "
+                                                             "passed while waiting on the host"))
             except InferletError as e:
                 run.failure = e
             except Exception as e:
@@ -358,6 +378,7 @@ class Sandbox:
         store = None
         self._ticker.acquire()
         self._tls.run = run
+        self._runs[id(api)] = run
         try:
             t0 = time.perf_counter()
             store = wasmtime.Store(self.engine)
@@ -398,12 +419,21 @@ class Sandbox:
             raise
         finally:
             self._tls.run = None
+            self._runs.pop(id(api), None)
             self._ticker.release()
             del store  # the instance and its memory go with the store
             try:
                 api.on_exit(error)
             except Exception:
                 log.exception("HostApi.on_exit failed")
+
+    def cancel(self, api: HostApi, reason: str = "cancelled") -> bool:
+        """Cancel the run in progress with `api` (from any thread); False if there is none."""
+        run = self._runs.get(id(api))
+        if run is None:
+            return False
+        run.cancel(reason)
+        return True
 
     def _classify_trap(self, run: _Run, e: Exception, timeout: float) -> InferletError:
         if run.failure is not None:                 # a host import ended the run

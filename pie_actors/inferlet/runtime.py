@@ -11,7 +11,7 @@ Host operations (the guest SDK's calls; see sdk/inferlet/):
         chat.cue_without_thinking / chat.stop_tokens
     ws.create / ws.fork / ws.state / ws.reserve
     eta.epilogue (IR -> compiled id) / eta.submit (pass -> future id)
-    session.receive (-> future id of the next message given to `deliver`)
+    session.receive / receive_file / send_file / file / send_to (session_ops.py)
 
 Pass ordering: `eta.submit` schedules the pass on the loop thread with
 `run_coroutine_threadsafe`, which keeps call order, and the coroutine writes its request frame
@@ -33,6 +33,7 @@ from .. import protocol
 from .engine_client import EngineClient, EngineError
 from .chat_ops import ChatOps
 from .host import HostApi, HostOpError, InferletError, Sandbox
+from .session_ops import SessionOps
 
 __all__ = ["InferletHost", "run_inferlet", "ir_to_epilogue", "default_sandbox"]
 
@@ -92,13 +93,16 @@ def _tokenizer(model_dir: str):
 # ---------------------------------------------------------------------------------------------
 # the host of one run
 
-class InferletHost(ChatOps, HostApi):
+class InferletHost(ChatOps, SessionOps, HostApi):
     """Host operations of one inferlet run, connected to the engine at `engine_address`."""
 
     def __init__(self, engine_address: tuple[str, int], *, on_send: Callable[[str], None] | None = None,
-                 model_dir: str | None = None) -> None:
+                 model_dir: str | None = None, files: dict[str, bytes] | None = None,
+                 on_send_file: Callable[[bytes], None] | None = None,
+                 send_to: Callable[[str, Any], None] | None = None) -> None:
         super().__init__()
         self.on_send = on_send
+        self._init_session(files, on_send_file, send_to)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="inferlet-host", daemon=True)
         self._thread.start()
@@ -115,9 +119,6 @@ class InferletHost(ChatOps, HostApi):
         self._epilogues: list[CompiledEpilogue] = []
         self._epilogue_ids: dict[str, int] = {}
         self.passes = 0
-        self._inbox: list[Any] = []                        # client messages not yet received
-        self._receivers: list[int] = []                    # futures of session.receive calls waiting
-        self._inbox_lock = threading.Lock()
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -165,25 +166,6 @@ class InferletHost(ChatOps, HostApi):
             self._wait(self.client.close(), 10)
         finally:
             self._stop_loop()
-
-    def deliver(self, message: Any) -> None:
-        """A message from the client (any thread): completes the oldest waiting session.receive."""
-        with self._inbox_lock:
-            if not self._receivers:
-                self._inbox.append(message)
-                return
-            fid = self._receivers.pop(0)
-        self._complete(fid, value=message)
-
-    def _receive(self, args) -> int:
-        fid = self.futures.new()
-        with self._inbox_lock:
-            if not self._inbox:
-                self._receivers.append(fid)
-                return fid
-            message = self._inbox.pop(0)
-        self._complete(fid, value=message)
-        return fid
 
     # -- model ----------------------------------------------------------------------------------
 
@@ -300,12 +282,11 @@ class InferletHost(ChatOps, HostApi):
             pass   # the run is over; nobody waits for it
 
     # op -> method name (looked up on the instance, so subclasses can override a handler)
-    _OPS: dict[str, str] = {**ChatOps.CHAT_OPS,
+    _OPS: dict[str, str] = {**ChatOps.CHAT_OPS, **SessionOps.SESSION_OPS,
         "model.info": "_model_info", "model.encode": "_encode", "model.decode": "_decode",
         "ws.create": "_ws_create", "ws.fork": "_ws_fork", "ws.state": "_ws_state",
         "ws.reserve": "_ws_reserve",
         "eta.epilogue": "_epilogue", "eta.submit": "_submit",
-        "session.receive": "_receive",
     }
 
 # ---------------------------------------------------------------------------------------------
@@ -327,17 +308,24 @@ def default_sandbox() -> Sandbox:
 def run_inferlet(source: str, input: Any, engine_address: tuple[str, int], *,
                  on_send: Callable[[str], None] | None = None, timeout: float = 300.0,
                  sandbox: Sandbox | None = None, memory_limit: int | None = None,
-                 messages: list[Any] = ()) -> Any:
+                 messages: list[Any] = (), files: dict[str, bytes] | None = None,
+                 on_send_file: Callable[[bytes], None] | None = None,
+                 send_to: Callable[[str, Any], None] | None = None,
+                 on_start: Callable[[InferletHost], None] | None = None) -> Any:
     """Run one inferlet (its main module's `source`) on `input` against the engine at
     `engine_address`; `session.send` text goes to `on_send` as it arrives, `messages` are
-    what its `session.receive()` calls get, in order. Returns main's result (a dict for the
-    documents' programs); raises InferletError."""
+    what its `session.receive()` calls get, in order, `files` what `session.file(name)` reads.
+    `on_start(host)` is called before the inferlet starts (to deliver messages or cancel it
+    later). Returns main's result (a dict for the documents' programs); raises InferletError."""
     sandbox = sandbox or default_sandbox()
     try:
-        host = InferletHost(tuple(engine_address), on_send=on_send)
+        host = InferletHost(tuple(engine_address), on_send=on_send, files=files,
+                            on_send_file=on_send_file, send_to=send_to)
     except (OSError, HostOpError, TimeoutError) as e:
         raise InferletError("trap", f"cannot reach the engine at {engine_address}: "
                                     f"{type(e).__name__}: {e}") from None
     for message in messages:
         host.deliver(message)
+    if on_start is not None:
+        on_start(host)
     return sandbox.run(source, input, host, timeout=timeout, memory_limit=memory_limit)

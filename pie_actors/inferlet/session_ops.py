@@ -1,0 +1,117 @@
+"""The `session.*` host operations: talking to the client and to other inferlet processes.
+
+Text goes to the client through the WIT `send` import (`HostApi.send`); everything else is a host
+operation here. Binary data crosses the JSON boundary as base64 text. Messages reach a run from
+any thread (its client, or another process's `send_to`) through `deliver` / `deliver_file` and are
+handed, in order, to the guest's pending `receive` / `receive_file` futures.
+"""
+from __future__ import annotations
+
+import base64
+import threading
+from typing import Any, Callable
+
+from .host import FutureTable, HostOpError
+
+__all__ = ["Inbox", "SessionOps"]
+
+
+class Inbox:
+    """Items delivered from any thread, matched in order with the guest's receive futures."""
+
+    def __init__(self, futures: FutureTable) -> None:
+        self.futures = futures
+        self._items: list[Any] = []         # delivered, not yet received
+        self._waiting: list[int] = []       # receive futures with nothing to get yet
+        self._lock = threading.Lock()
+
+    def put(self, item: Any) -> None:
+        with self._lock:
+            if not self._waiting:
+                self._items.append(item)
+                return
+            fid = self._waiting.pop(0)
+        self._resolve(fid, item)
+
+    def receive(self) -> int:
+        """A future id that completes with the next item."""
+        fid = self.futures.new()
+        with self._lock:
+            if not self._items:
+                self._waiting.append(fid)
+                return fid
+            item = self._items.pop(0)
+        self._resolve(fid, item)
+        return fid
+
+    def _resolve(self, fid: int, item: Any) -> None:
+        try:
+            self.futures.resolve(fid, item)
+        except KeyError:
+            pass           # the run is over; nobody waits for it
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: Any, what: str) -> bytes:
+    if not isinstance(text, str):
+        raise HostOpError(f"{what} takes base64 text")
+    try:
+        return base64.b64decode(text, validate=True)
+    except ValueError:
+        raise HostOpError(f"{what}: invalid base64 data") from None
+
+
+class SessionOps:
+    """Mixin of InferletHost; call `_init_session` from the host's __init__."""
+
+    SESSION_OPS: dict[str, str] = {
+        "session.receive": "_session_receive", "session.receive_file": "_session_receive_file",
+        "session.send_file": "_session_send_file", "session.file": "_session_file",
+        "session.send_to": "_session_send_to",
+    }
+
+    def _init_session(self, files: dict[str, bytes] | None,
+                      on_send_file: Callable[[bytes], None] | None,
+                      send_to: Callable[[str, Any], None] | None) -> None:
+        self.files = dict(files or {})
+        self.on_send_file = on_send_file
+        self.send_to = send_to
+        self.inbox = Inbox(self.futures)
+        self.file_inbox = Inbox(self.futures)
+
+    def deliver(self, message: Any) -> None:
+        """A message for `session.receive` (from the client or another process; any thread)."""
+        self.inbox.put(message)
+
+    def deliver_file(self, data: bytes) -> None:
+        """Binary data for `session.receive_file` (any thread)."""
+        self.file_inbox.put(_b64(data))
+
+    def _session_receive(self, args) -> int:
+        return self.inbox.receive()
+
+    def _session_receive_file(self, args) -> int:
+        return self.file_inbox.receive()
+
+    def _session_send_file(self, data) -> None:
+        blob = _unb64(data, "session.send_file")
+        if self.on_send_file is not None:
+            self.on_send_file(blob)
+
+    def _session_file(self, name) -> str:
+        if name not in self.files:
+            attached = ", ".join(sorted(self.files)) or "none"
+            raise HostOpError(f"no file named {name!r} was attached (attached: {attached}; "
+                              "attach files with pie run --file name=path)")
+        return _b64(self.files[name])
+
+    def _session_send_to(self, args) -> None:
+        if not (isinstance(args, list) and len(args) == 2 and isinstance(args[0], str)):
+            raise HostOpError("session.send_to takes a process name and a message")
+        if self.send_to is None:
+            raise HostOpError("session.send_to needs named processes: run the inferlet on a Ray "
+                              "cluster (pie run without --local)")
+        self.send_to(args[0], args[1])
