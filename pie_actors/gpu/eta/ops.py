@@ -55,7 +55,7 @@ from typing import Any, Callable
 import torch
 
 __all__ = ["EtaError", "OpSpec", "OPS", "DTYPES", "MODEL_OUTPUTS", "MAX_ELEMENTS", "is_ref",
-           "mix32", "seed_key", "gumbel_noise"]
+           "mix32", "seed_key", "gumbel_noise", "MIX_MULTIPLIERS", "GOLDEN"]
 
 
 class EtaError(ValueError):
@@ -125,15 +125,17 @@ KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 # overflows int64.
 
 M32 = 0xFFFFFFFF
-_GOLDEN = 0x9E3779B9
+MIX_MULTIPLIERS = (0x21F0AAAD, 0x735A2D97)
+GOLDEN = 0x9E3779B9
 
 
 def mix32(x):
     """A 32-bit integer hash (two multiply-xorshift rounds)."""
+    m1, m2 = MIX_MULTIPLIERS
     x = x ^ (x >> 16)
-    x = (x * 0x21F0AAAD) & M32
+    x = (x * m1) & M32
     x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & M32
+    x = (x * m2) & M32
     return x ^ (x >> 15)
 
 
@@ -143,7 +145,7 @@ def seed_key(seed: int | torch.Tensor):
         if seed.numel() != 1 or seed.dtype.is_floating_point or seed.dtype == torch.bool:
             raise ValueError(f"a seed must be one integer, got a {_describe(seed)} tensor")
         seed = seed.reshape(()).to(torch.int64)
-    return mix32((seed & M32) ^ mix32(((seed >> 32) & M32) ^ _GOLDEN))
+    return mix32((seed & M32) ^ mix32(((seed >> 32) & M32) ^ GOLDEN))
 
 
 def gumbel_noise(index: torch.Tensor, key) -> torch.Tensor:

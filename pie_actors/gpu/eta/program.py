@@ -182,7 +182,7 @@ def _failure(node: Node, args: list, e: Exception) -> EtaError:
     return EtaError(f"op {node.index} ({node.spec.name}){on}: {_reason(e)}")
 
 
-def call(node: Node, values: list, env: Any) -> Any:
+def call(node: Node, values: list | dict[int, Any], env: Any) -> Any:
     """Apply one node to the values computed so far (errors become EtaError naming the op)."""
     args = list(node.args)
     for pos, ref in node.refs:
