@@ -38,10 +38,8 @@ def rand(g: torch.Generator, *shape: int) -> torch.Tensor:
 
 
 def close(got: torch.Tensor, want, **kw) -> None:
-    want = torch.as_tensor(want)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    torch.testing.assert_close(got, want.to(got.dtype), equal_nan=True, **kw)
-    assert got.dtype == want.dtype or not isinstance(want, torch.Tensor)
+    """Equal values, shape and dtype (NaN equals NaN)."""
+    torch.testing.assert_close(got, torch.as_tensor(want), equal_nan=True, **kw)
 
 
 SHAPES = [(7,), (3, 11), (2, 3, 5)]
@@ -392,6 +390,7 @@ BAD_PROGRAMS = [
     (_argmax_ir("hidden"), "op 0 (output): unknown model output 'hidden'"),
     ({"ops": [["output", [-1, "logits"]]], "outputs": [0]}, "op 0 (output): argument 0 must be a non-negative integer"),
     ({"ops": [["broadcast", [0.0, [1 << 20, 1 << 20]]]], "outputs": [0]}, "op 0 (broadcast): argument 1 must be a list"),
+    ({"ops": [["causal_mask", [-5]]], "outputs": [0]}, "op 0 (causal_mask): argument 0 must be an integer from 0 to 8192"),
     ({"ops": [["constant", [[1, 2, 3, 4, 5]]], ["constant", [[1] * 7]], ["add", [{"t": 0}, {"t": 1}]]], "outputs": [2]},
      "op 2 (add) on shapes [5], [7]: The size of tensor a (5) must match"),
     ({"ops": [["add", 1]], "outputs": []}, "op 0: must be [name, [args...]]"),
@@ -453,5 +452,5 @@ def test_the_torch_backend_needs_no_triton():
             program.run(TensorEnv({(0, "logits"): torch.randn(4, 10)}))
         print("ok")
     """)
-    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", check], check=False, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -122,7 +122,7 @@ CHECK = textwrap.dedent("""
 
 def test_triton_backend_matches_torch_backend(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PIE_HOME=str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, timeout=600)
+    out = subprocess.run([sys.executable, "-c", CHECK], check=False, capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "ok"
 

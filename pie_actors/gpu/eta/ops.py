@@ -49,8 +49,9 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -110,7 +111,7 @@ KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "id": (lambda a: _is_int(a) and a >= 0, "a non-negative integer"),
     "k": (lambda a: _is_int(a) and a >= 1, "a positive integer"),
     "count": (lambda a: _is_int(a) and 0 <= a <= MAX_ELEMENTS, f"an integer from 0 to {MAX_ELEMENTS}"),
-    "side": (lambda a: _is_int(a) and 0 <= a * a <= MAX_ELEMENTS, f"an integer from 0 to {math.isqrt(MAX_ELEMENTS)}"),
+    "side": (lambda a: _is_int(a) and 0 <= a <= math.isqrt(MAX_ELEMENTS), f"an integer from 0 to {math.isqrt(MAX_ELEMENTS)}"),
     "name": (lambda a: isinstance(a, str), "a string"),
     "dtype": (lambda a: a in DTYPES, "a dtype name (" + ", ".join(DTYPES) + ")"),
     "shape": (_is_shape, f"a list of non-negative integers of at most {MAX_ELEMENTS} elements"),

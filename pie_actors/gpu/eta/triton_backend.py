@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ...config import pie_home
-from .ops import GOLDEN, MIX_MULTIPLIERS, EtaError, seed_key
+from .ops import GOLDEN, MIX_MULTIPLIERS, seed_key
 from .program import Env, Node, Parsed, Program, call
 
 __all__ = ["TritonProgram", "unsupported", "FUSED"]
@@ -180,7 +180,7 @@ def _lowest(dtype: torch.dtype) -> str:
 class _Kernel:
     """Generates the source of one kernel for one pass signature."""
 
-    def __init__(self, program: "TritonProgram", values: list, rows: _Rows) -> None:
+    def __init__(self, program: TritonProgram, values: list, rows: _Rows) -> None:
         self.program, self.values, self.rows = program, values, rows
         self.vars: dict[int, _Var] = {}
         self.body: list[str] = []
