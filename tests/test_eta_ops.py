@@ -396,6 +396,7 @@ BAD_PROGRAMS = [
     ({"ops": [["add", 1]], "outputs": []}, "op 0: must be [name, [args...]]"),
     ({"ops": []}, 'a program is {"ops": [...], "outputs": [...]}'),
     ("{not json", "the program is not valid JSON"),
+    ('{"ops": [["constant", [' + "[" * 5000 + "]" * 5000 + ']]], "outputs": [0]}', "the program is nested too deeply"),
 ]
 
 

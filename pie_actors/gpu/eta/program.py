@@ -141,6 +141,13 @@ def _node(i: int, op: Any, produced_nothing: set[int]) -> Node:
 
 def parse(ir: dict | str) -> Parsed:
     """Validate an IR (dict or JSON text) statically; raises EtaError naming the op and problem."""
+    try:
+        return _parse(ir)
+    except RecursionError:
+        raise EtaError("the program is nested too deeply") from None
+
+
+def _parse(ir: dict | str) -> Parsed:
     text = _canonical(ir)
     ir = json.loads(text)
     if not isinstance(ir, dict) or set(ir) != {"ops", "outputs"}:
@@ -201,7 +208,7 @@ def fold(parsed: Parsed, device: torch.device) -> dict[int, torch.Tensor]:
     """Values of the ops that depend on no pass (no env op upstream), computed on `device`."""
     consts: dict[int, torch.Tensor] = {}
     values: list = [None] * len(parsed.nodes)
-    with torch.device(device), torch.no_grad():
+    with torch.device(device):
         for node in parsed.nodes:
             if node.spec.env or any(ref not in consts for _, ref in node.refs):
                 continue
