@@ -1,21 +1,39 @@
 """Chat formatting on the host: the token ids of conversation pieces (`chat.*` host operations).
 
 `ChatTokens` derives every piece from the model's own chat template, so the same inferlet works
-on any family. `ChatOps` is the mixin that gives `InferletHost` the `chat.*` operations; it only
-needs the host's `tok` (the model's Tokenizer).
+on any family. `ChatOps` is the mixin that gives `InferletHost` the `chat.*` operations and,
+through the mixins of structured_ops.py, the `tools.*`, `reasoning.*` and `grammar.*` ones; it
+only needs the host's `tok` (the model's Tokenizer).
 """
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Any
 
 from .host import HostOpError
+from .structured_ops import GrammarOps, ReasoningOps, ToolOps
 
-__all__ = ["ChatTokens", "ChatOps"]
+__all__ = ["ChatTokens", "ChatOps", "EFFORTS"]
+
+EFFORTS = ("none", "low", "medium", "high")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+EMPTY_THINKING = "<think>\n\n</think>\n\n"      # what Qwen3's template writes to skip thinking
+NOT_INCREMENTAL = "the chat template does not render conversations incrementally; cannot split it into turns"
+
+
+def _msg(role: str, text: str) -> dict:
+    return {"role": role, "content": text}
 
 
 class ChatTokens:
     """Token ids of conversation pieces, derived from a model's chat template by rendering
-    message lists and taking differences of the renders, so any template works."""
+    message lists and taking differences of the renders, so any template works.
+
+    A piece is the text the template renders for some messages in the middle of a
+    conversation, so that concatenating pieces gives the template's rendering of the whole
+    conversation (for templates that rewrite history, such as Qwen3 dropping old thinking
+    blocks, the rendering as the history of a later turn).
+    """
 
     _FILL_SYS, _FILL_USER = "You are helpful.", "Hello."
 
@@ -26,22 +44,54 @@ class ChatTokens:
             raise HostOpError("the model has no chat template")
         self.source = self.template.source
 
-    def _render(self, messages, gen: bool = False, **kw) -> str:
+    # -- rendering ------------------------------------------------------------------------------
+
+    def render(self, messages: list[dict], gen: bool = False, **kw: Any) -> str:
         return self.template.render(messages, add_generation_prompt=gen, **kw)
 
-    def _diff(self, before: list[dict], after: list[dict], gen_before=False, gen_after=False, **kw) -> str:
-        a, b = self._render(before, gen_before, **kw), self._render(after, gen_after, **kw)
-        if not b.startswith(a):
-            raise HostOpError("the chat template does not render conversations incrementally; "
-                              "cannot split it into turns")
-        return b[len(a):]
-
-    def _encode(self, text: str) -> list[int]:
+    def encode(self, text: str) -> list[int]:
         return self.tok.encode(text)
 
-    @staticmethod
-    def _msg(role: str, text: str) -> dict:
-        return {"role": role, "content": text}
+    def context(self) -> list[dict]:
+        """A stand-in conversation (system, user) for pieces that only exist inside one."""
+        return [_msg("system", self._FILL_SYS), _msg("user", self._FILL_USER)]
+
+    def _suffix(self, before: list[dict], after: list[dict], **kw: Any) -> str:
+        """render(after) minus render(before), which must be a prefix of it."""
+        a, b = self.render(before, **kw), self.render(after, **kw)
+        if not b.startswith(a):
+            raise HostOpError(NOT_INCREMENTAL)
+        return b[len(a):]
+
+    def _user_text(self, text: str, **kw: Any) -> str:
+        sys = [_msg("system", self._FILL_SYS)]
+        # after a system turn, so templates that insert a default system message do not
+        return self._suffix(sys, sys + [_msg("user", text)], **kw)
+
+    def turn(self, before: list[dict], new: list[dict], **kw: Any) -> str:
+        """The text of messages `new` after `before`, as rendered when a user turn follows them
+        (templates such as Qwen3 render a turn differently when it is the last one)."""
+        closing = self._user_text(self._FILL_USER, **kw)
+        full = self.render(before + new + [_msg("user", self._FILL_USER)], **kw)
+        if not before:
+            head = ""
+        elif before[-1]["role"] == "user":
+            head = self.render(before, **kw)          # nothing after a user turn changes it
+        else:                                          # its rendering may depend on what follows
+            head = self.render(before + [_msg("user", self._FILL_USER)], **kw)
+            head = head[:len(head) - len(closing)] if head.endswith(closing) else None
+        if head is None or not full.startswith(head) or not full.endswith(closing):
+            raise HostOpError(NOT_INCREMENTAL)
+        return full[len(head):len(full) - len(closing)]
+
+    def _cue_text(self, **kw: Any) -> str:
+        ctx = self.context()
+        a, b = self.render(ctx, **kw), self.render(ctx, gen=True, **kw)
+        if not b.startswith(a):
+            raise HostOpError("the chat template's generation prompt changes the conversation before it")
+        return b[len(a):]
+
+    # -- pieces ---------------------------------------------------------------------------------
 
     def prefix(self) -> list[int]:
         if self.tok.add_bos_token and self.tok.bos_id is not None:
@@ -50,31 +100,66 @@ class ChatTokens:
 
     def system(self, text: str) -> list[int]:
         # the opening turn: the whole render (with whatever the template puts first, e.g. BOS)
-        return self._encode(self._render([self._msg("system", text)]))
+        return self.encode(self.render([_msg("system", text)]))
+
+    def system_user(self, system: str, user: str) -> list[int]:
+        """The opening system and user turns together (templates may merge them into one)."""
+        return self.encode(self.render([_msg("system", system), _msg("user", user)]))
+
+    def first_user(self, text: str) -> list[int]:
+        """The opening user turn of a conversation without a system message (with whatever the
+        template puts before it: a default system message, a date header...)."""
+        return self.encode(self.render([_msg("user", text)]))
+
+    def system_thinking(self, text: str, effort: str) -> list[int]:
+        """An opening system turn that sets the reasoning effort, the way the template can:
+        its `reasoning_effort` variable (gpt-oss style), else the `/think` / `/no_think`
+        switches of templates with `enable_thinking` (Qwen3: on or off only), else a plain
+        system turn (the model has no such control)."""
+        if effort not in EFFORTS:
+            raise HostOpError(f"reasoning effort must be one of {', '.join(EFFORTS)}; got {effort!r}")
+        if "reasoning_effort" in self.source:
+            return self.encode(self.render([_msg("system", text)], reasoning_effort=effort))
+        if "enable_thinking" in self.source:
+            text = f"{text} {'/no_think' if effort == 'none' else '/think'}"
+        return self.system(text)
 
     def user(self, text: str) -> list[int]:
-        # after a system turn, so templates that insert a default system message do not
-        return self._encode(self._diff([self._msg("system", self._FILL_SYS)],
-                                       [self._msg("system", self._FILL_SYS), self._msg("user", text)]))
+        return self.encode(self._user_text(text))
 
     def assistant(self, text: str) -> list[int]:
-        ctx = [self._msg("system", self._FILL_SYS), self._msg("user", self._FILL_USER)]
-        return self._encode(self._diff(ctx, ctx + [self._msg("assistant", text)]))
+        """A complete assistant turn, as the history before a later user turn."""
+        return self.encode(self.turn(self.context(), [_msg("assistant", text)]))
 
     @lru_cache(maxsize=None)
     def cue(self) -> list[int]:
-        ctx = [self._msg("system", self._FILL_SYS), self._msg("user", self._FILL_USER)]
-        return self._encode(self._diff(ctx, ctx, gen_after=True))
+        return self.encode(self._cue_text())
+
+    @lru_cache(maxsize=None)
+    def cue_thinking(self, thinking: bool) -> list[int]:
+        """The start of the reply with thinking on (whatever the template writes for it, e.g.
+        an opening `<think>`) or off (`cue_without_thinking`)."""
+        if not thinking:
+            return self.cue_without_thinking()
+        return self.encode(self._cue_text(enable_thinking=True))
 
     @lru_cache(maxsize=None)
     def cue_without_thinking(self) -> list[int]:
-        ctx = [self._msg("system", self._FILL_SYS), self._msg("user", self._FILL_USER)]
         if "enable_thinking" in self.source:          # Qwen3 style: the template writes the empty block
-            return self._encode(self._diff(ctx, ctx, gen_after=True, enable_thinking=False))
-        cue = self._diff(ctx, ctx, gen_after=True)
-        if "<think>" in self.source and "<think>" not in cue:
-            cue += "<think>\n\n</think>\n\n"
-        return self._encode(cue)
+            return self.encode(self._cue_text(enable_thinking=False))
+        cue = self._cue_text()
+        if THINK_OPEN in self.source and THINK_CLOSE not in cue:
+            opened = cue.rstrip("\n").endswith(THINK_OPEN)   # the template pre-fills the opening tag
+            cue = cue.rstrip("\n")[:-len(THINK_OPEN)] + EMPTY_THINKING if opened else cue + EMPTY_THINKING
+        return self.encode(cue)
+
+    @lru_cache(maxsize=None)
+    def seal(self) -> list[int]:
+        """What closes an assistant turn after its text (<|im_end|>\\n, <|eot_id|>...): append it
+        to a reply whose stop token was not fed back, before the next turn."""
+        marker = "MARKER"
+        turn = self.turn(self.context(), [_msg("assistant", marker)])
+        return self.encode(turn[turn.rfind(marker) + len(marker):])
 
     @lru_cache(maxsize=None)
     def stop_tokens(self) -> list[int]:
@@ -85,59 +170,87 @@ class ChatTokens:
         return stops
 
     def _end_of_turn(self) -> int | None:
-        """The first special token after an assistant turn's text (<|im_end|>, <|eot_id|>...)."""
-        marker = "MARKER"
+        """The first special token of `seal` (<|im_end|>, <|eot_id|>...)."""
         try:
-            turn = self._diff([self._msg("system", self._FILL_SYS), self._msg("user", self._FILL_USER)],
-                              [self._msg("system", self._FILL_SYS), self._msg("user", self._FILL_USER),
-                               self._msg("assistant", marker)])
+            seal = self.seal()
         except Exception:
             return None
-        tail = turn[turn.rfind(marker) + len(marker):]
         specials = set(self.tok.backend.get_added_tokens_decoder()) if hasattr(
             self.tok.backend, "get_added_tokens_decoder") else set()
-        for t in self._encode(tail):
+        for t in seal:
             if t in specials:
                 return t
         return None
 
 
 @lru_cache(maxsize=8)
-def _chat_tokens(tokenizer) -> ChatTokens:
+def chat_tokens(tokenizer) -> ChatTokens:
+    """The ChatTokens of a tokenizer (one per tokenizer: its pieces are cached)."""
     return ChatTokens(tokenizer)
 
 
-class ChatOps:
-    """The `chat.*` host operations (mixed into InferletHost, which provides `tok`)."""
+def _text(args: Any, what: str) -> str:
+    if not isinstance(args, str):
+        raise HostOpError(f"{what} takes a string")
+    return args
+
+
+class ChatOps(ToolOps, ReasoningOps):
+    """The `chat.*` host operations (mixed into InferletHost, which provides `tok`), and with
+    its bases those of tools, reasoning and grammar."""
 
     CHAT_OPS: dict[str, str] = {
         "chat.prefix": "_chat_prefix", "chat.system": "_chat_system", "chat.user": "_chat_user",
-        "chat.assistant": "_chat_assistant", "chat.cue": "_chat_cue",
-        "chat.cue_without_thinking": "_chat_cue_without_thinking",
+        "chat.assistant": "_chat_assistant", "chat.system_user": "_chat_system_user",
+        "chat.first_user": "_chat_first_user", "chat.system_thinking": "_chat_system_thinking",
+        "chat.cue": "_chat_cue", "chat.cue_without_thinking": "_chat_cue_without_thinking",
+        "chat.cue_thinking": "_chat_cue_thinking", "chat.seal": "_chat_seal",
         "chat.stop_tokens": "_chat_stop_tokens",
+        **ToolOps.TOOL_OPS, **ReasoningOps.REASONING_OPS, **GrammarOps.GRAMMAR_OPS,
     }
 
     @property
     def chat(self) -> ChatTokens:
-        return _chat_tokens(self.tok)
+        return chat_tokens(self.tok)
 
     def _chat_prefix(self, args) -> list[int]:
         return self.chat.prefix()
 
     def _chat_system(self, text) -> list[int]:
-        return self.chat.system(str(text))
+        return self.chat.system(_text(text, "chat.system"))
 
     def _chat_user(self, text) -> list[int]:
-        return self.chat.user(str(text))
+        return self.chat.user(_text(text, "chat.user"))
 
     def _chat_assistant(self, text) -> list[int]:
-        return self.chat.assistant(str(text))
+        return self.chat.assistant(_text(text, "chat.assistant"))
+
+    def _chat_system_user(self, args) -> list[int]:
+        if not (isinstance(args, list) and len(args) == 2):
+            raise HostOpError("chat.system_user takes [system, user]")
+        return self.chat.system_user(_text(args[0], "chat.system_user"), _text(args[1], "chat.system_user"))
+
+    def _chat_first_user(self, text) -> list[int]:
+        return self.chat.first_user(_text(text, "chat.first_user"))
+
+    def _chat_system_thinking(self, args) -> list[int]:
+        if not (isinstance(args, list) and len(args) == 2):
+            raise HostOpError("chat.system_thinking takes [text, effort]")
+        return self.chat.system_thinking(_text(args[0], "chat.system_thinking"), args[1])
 
     def _chat_cue(self, args) -> list[int]:
         return self.chat.cue()
 
     def _chat_cue_without_thinking(self, args) -> list[int]:
         return self.chat.cue_without_thinking()
+
+    def _chat_cue_thinking(self, thinking) -> list[int]:
+        if not isinstance(thinking, bool):
+            raise HostOpError("chat.cue_thinking takes true or false")
+        return self.chat.cue_thinking(thinking)
+
+    def _chat_seal(self, args) -> list[int]:
+        return self.chat.seal()
 
     def _chat_stop_tokens(self, args) -> list[int]:
         return self.chat.stop_tokens()
