@@ -1,0 +1,190 @@
+"""Per-token cost of grammar-constrained greedy decoding vs unconstrained, as a ratio, same run.
+
+    python bench/grammar.py [--dtype bfloat16] [--batches 1,8] [--repeats 3] [--out bench/RESULTS.md]
+
+Constrained: every step each sequence's logits come back from the engine, its matcher computes the
+mask (llguidance), the mask is applied (masked_fill), argmax, and the matcher accepts the token.
+Unconstrained: the same passes with the argmax taken in the engine, for the same number of tokens
+per sequence (the constrained run decides how many: until its JSON schema completes). Tokens/s
+counts generated tokens over the decode loop (prompts prefilled first, untimed). The breakdown
+columns are host milliseconds per token for mask / apply / accept.
+
+The second table is the cost an inferlet pays today for the same matcher work through host
+operations (JSON over the sandbox boundary): Matcher.mask() + accept_tokens() per token, and
+mask.unpack_mask in the guest.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+from report import publish
+
+from pie_actors.gpu.engine import Lane, PassRequest
+from pie_actors.gpu.server import serve_model
+from pie_actors.inferlet.chat_ops import ChatTokens
+from pie_actors.inferlet.grammar import GrammarCompiler, Matcher
+from pie_actors.inferlet.runtime import run_inferlet
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "home"],
+          "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3},
+                         "home": {"type": "object", "required": ["city", "country"], "additionalProperties": False,
+                                  "properties": {"city": {"type": "string", "maxLength": 16},
+                                                 "country": {"enum": ["France", "Japan", "Peru", "Kenya"]}}}}}
+PEOPLE = ["a French chef", "a Japanese pilot", "a Peruvian poet", "a Kenyan runner", "a retired teacher",
+          "a young painter", "a ship captain", "a chess player"]
+MAX_TOKENS = 80
+
+GUEST_LOOP = """
+import time
+from inferlet import model
+from inferlet.grammar import Grammar, Matcher
+from inferlet.mask import unpack_mask
+
+async def main(input):
+    tokens, vocab = input["tokens"], model.output_vocab_size()
+    m = Matcher(Grammar.from_json_schema(input["schema"]))
+    t_mask = t_accept = t_unpack = 0.0
+    for token in tokens:
+        t0 = time.perf_counter()
+        words = m.mask()
+        t1 = time.perf_counter()
+        unpack_mask(words, vocab)
+        t2 = time.perf_counter()
+        assert m.accept_tokens([token])
+        t3 = time.perf_counter()
+        t_mask, t_unpack, t_accept = t_mask + t1 - t0, t_unpack + t2 - t1, t_accept + t3 - t2
+    return {"mask": t_mask, "unpack": t_unpack, "accept": t_accept}
+"""
+
+
+def step(engine, seqs: list[int], inputs: list[list[int]], epilogue=None) -> list:
+    """One pass per sequence, batched by the engine's loop; their results (logits by default)."""
+    futures = [engine.submit(PassRequest([Lane(seq, tokens)], epilogue)) for seq, tokens in zip(seqs, inputs)]
+    return [f.result() for f in futures]
+
+
+def prefill(engine, prompts: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """New sequences holding all prompt tokens but the last; returns them and the last tokens."""
+    seqs = [engine.create_sequence() for _ in prompts]
+    step(engine, seqs, [p[:-1] for p in prompts], lambda logits: None)
+    return seqs, [[p[-1]] for p in prompts]
+
+
+def constrained(engine, compiler: GrammarCompiler, prompts, stops: set[int]) -> dict:
+    vocab = engine.cfg.vocab_size
+    shifts = torch.arange(32, dtype=torch.int32)
+    seqs, inputs = prefill(engine, prompts)
+    matchers = [Matcher(compiler.json_schema(SCHEMA)) for _ in prompts]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    live = list(range(len(prompts)))
+    t = {"mask": 0.0, "apply": 0.0, "accept": 0.0}
+    start = time.perf_counter()
+    for _ in range(MAX_TOKENS):
+        logits = step(engine, [seqs[i] for i in live], [inputs[i] for i in live])
+        for i, rows in zip(list(live), logits):
+            t0 = time.perf_counter()
+            words = torch.from_numpy(matchers[i].mask_array())
+            t1 = time.perf_counter()
+            ok = ((words[:, None] >> shifts) & 1).flatten()[:vocab].bool()
+            token = int(rows[-1].float().masked_fill(~ok, float("-inf")).argmax())
+            t2 = time.perf_counter()
+            assert matchers[i].accept_tokens([token])
+            t["mask"], t["apply"], t["accept"] = (t["mask"] + t1 - t0, t["apply"] + t2 - t1,
+                                                  t["accept"] + time.perf_counter() - t2)
+            inputs[i] = [token]
+            if token in stops or matchers[i].is_terminated():
+                live.remove(i)
+            if token not in stops:
+                outputs[i].append(token)
+        if not live:
+            break
+    elapsed = time.perf_counter() - start
+    for seq in seqs:
+        engine.free(seq)
+    return {"seconds": elapsed, "outputs": outputs, **t}
+
+
+def _argmax(logits: torch.Tensor) -> int:
+    return int(logits[-1].argmax())
+
+
+def unconstrained(engine, prompts, lengths: list[int]) -> float:
+    """Seconds for greedy decoding of lengths[i] tokens per prompt, argmax in the engine."""
+    seqs, inputs = prefill(engine, prompts)
+    live = [i for i in range(len(prompts)) if lengths[i]]
+    done = [0] * len(prompts)
+    start = time.perf_counter()
+    while live:
+        for i, token in zip(live, step(engine, [seqs[i] for i in live], [inputs[i] for i in live], _argmax)):
+            inputs[i] = [token]
+            done[i] += 1
+        live = [i for i in live if done[i] < lengths[i]]
+    elapsed = time.perf_counter() - start
+    for seq in seqs:
+        engine.free(seq)
+    return elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", help="append the tables, command line and date to this markdown file")
+    ap.add_argument("--title", default="Grammar-constrained decoding vs unconstrained (issue 5)")
+    args = ap.parse_args()
+
+    load_before = os.getloadavg()[0]
+    server, address = serve_model(dtype=args.dtype)
+    engine = server.engine
+    rows, guest = [], None
+    try:
+        tok = engine.tokenizer
+        chat = ChatTokens(tok)
+        stops = set(chat.stop_tokens())
+        compiler = GrammarCompiler(tok, engine.cfg.vocab_size, chat.stop_tokens())
+        for batch in [int(b) for b in args.batches.split(",")]:
+            schema = json.dumps(SCHEMA)
+            prompts = [chat.system("You reply with JSON only.")
+                       + chat.user(f"Describe {PEOPLE[i % len(PEOPLE)]} as JSON for this schema: {schema}")
+                       + chat.cue() for i in range(batch)]
+            lengths = [len(o) for o in constrained(engine, compiler, prompts, stops)["outputs"]]   # warm-up
+            unconstrained(engine, prompts, lengths)
+            runs = [constrained(engine, compiler, prompts, stops) for _ in range(args.repeats)]
+            run = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
+            plain = statistics.median(unconstrained(engine, prompts, lengths) for _ in range(args.repeats))
+            n = sum(lengths)
+            rows.append((batch, n, n / plain, n / run["seconds"], run["seconds"] / plain,
+                         *(1000 * run[k] / n for k in ("mask", "apply", "accept"))))
+        # the guest's cost for the same matcher work, over a fixed token path (the first output)
+        path = constrained(engine, compiler, prompts[:1], stops)["outputs"][0]
+        run_inferlet(GUEST_LOOP, {"tokens": path, "schema": SCHEMA}, address)               # warm-up
+        guest = run_inferlet(GUEST_LOOP, {"tokens": path, "schema": SCHEMA}, address), len(path)
+    finally:
+        server.close()
+        engine.close()
+
+    report = "\n".join(
+        ["| batch | tokens | unconstrained tok/s | constrained tok/s | time ratio (constrained ÷ unconstrained) "
+         "| mask ms/tok | apply ms/tok | accept ms/tok |", "|---|---|---|---|---|---|---|---|"]
+        + [f"| {b} | {n} | {u:.1f} | {c:.1f} | {r:.2f}× | {m:.3f} | {a:.3f} | {acc:.3f} |"
+           for b, n, u, c, r, m, a, acc in rows])
+    times, n = guest
+    report += ("\n\n| inferlet (sandbox, host operations) | ms/token |\n|---|---|\n"
+               + "".join(f"| {name} | {1000 * times[key] / n:.3f} |\n" for name, key in
+                         [("Matcher.mask()", "mask"), ("mask.unpack_mask(...)", "unpack"),
+                          ("Matcher.accept_tokens([t])", "accept")]))
+    env = (f"{args.dtype}, default model, eager engine, in process; JSON schema with nested object, array, enum; "
+           f"≤{MAX_TOKENS} tokens per sequence; median of {args.repeats}; "
+           f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
+    publish(env, report, args.out, args.title)
+
+
+if __name__ == "__main__":
+    main()
