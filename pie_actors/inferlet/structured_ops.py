@@ -65,20 +65,20 @@ def _compiler(tokenizer, vocab_size: int, stop_tokens: tuple[int, ...]) -> Gramm
 class HandleOps:
     """The per-run table behind the guest's handles."""
 
-    def _handles(self) -> dict[int, Any]:
+    def _handle_table(self) -> dict[int, Any]:
         table = getattr(self, "_sdk_handles", None)
         if table is None:
             table = self._sdk_handles = {}
         return table
 
-    def _add(self, obj: Any) -> int:
-        table = self._handles()
+    def _handle_put(self, obj: Any) -> int:
+        table = self._handle_table()
         handle = len(table) + 1
         table[handle] = obj
         return handle
 
-    def _get(self, handle: Any, kind: type, what: str) -> Any:
-        obj = self._handles().get(handle) if type(handle) is int else None
+    def _handle_get(self, handle: Any, kind: type, what: str) -> Any:
+        obj = self._handle_table().get(handle) if type(handle) is int else None
         if not isinstance(obj, kind):
             raise HostOpError(f"unknown {what} {handle!r}")
         return obj
@@ -99,7 +99,7 @@ class GrammarOps(HandleOps):
         return _compiler(tok, max(tok.vocab_size, info.get("vocab_size", 0)), tuple(stops))
 
     def _matcher(self, handle: Any) -> Matcher:
-        return self._get(handle, Matcher, "matcher")
+        return self._handle_get(handle, Matcher, "matcher")
 
     @_clean_errors
     def _grammar_compile(self, args) -> int:
@@ -107,14 +107,14 @@ class GrammarOps(HandleOps):
         compiler = self.grammar_compiler()
         build = {"json_schema": compiler.json_schema, "regex": compiler.regex, "ebnf": compiler.ebnf}
         if kind == "json":
-            return self._add(compiler.any_json())
+            return self._handle_put(compiler.any_json())
         if kind not in build:
             raise HostOpError(f"unknown grammar kind {kind!r}")
-        return self._add(build[kind](source))
+        return self._handle_put(build[kind](source))
 
     @_clean_errors
     def _grammar_matcher(self, handle) -> int:
-        return self._add(Matcher(self._get(handle, Grammar, "grammar")))
+        return self._handle_put(Matcher(self._handle_get(handle, Grammar, "grammar")))
 
     @_clean_errors
     def _grammar_mask(self, handle) -> list[int]:
@@ -131,7 +131,7 @@ class GrammarOps(HandleOps):
 
     @_clean_errors
     def _grammar_fork(self, handle) -> int:
-        return self._add(self._matcher(handle).fork())
+        return self._handle_put(self._matcher(handle).fork())
 
     @_clean_errors
     def _grammar_rollback(self, args) -> None:
@@ -168,20 +168,20 @@ class ToolOps(GrammarOps):
 
     @_clean_errors
     def _tools_grammar(self, specs) -> int:
-        return self._add(self.grammar_compiler().lark(self.tool_format().grammar(specs, self.tok)))
+        return self._handle_put(self.grammar_compiler().lark(self.tool_format().grammar(specs, self.tok)))
 
     @_clean_errors
     def _tools_decoder(self, args) -> int:
-        return self._add(ToolCallDecoder(self.tok, self.tool_format().family))
+        return self._handle_put(ToolCallDecoder(self.tok, self.tool_format().family))
 
     @_clean_errors
     def _tools_feed(self, args) -> list[dict]:
         handle, tokens = _pair(args, "tools.feed")
-        return self._get(handle, ToolCallDecoder, "tool decoder").feed(_tokens(tokens, "tools.feed"))
+        return self._handle_get(handle, ToolCallDecoder, "tool decoder").feed(_tokens(tokens, "tools.feed"))
 
     @_clean_errors
     def _tools_finish(self, handle) -> list[dict]:
-        return self._get(handle, ToolCallDecoder, "tool decoder").finish()
+        return self._handle_get(handle, ToolCallDecoder, "tool decoder").finish()
 
 
 class ReasoningOps(HandleOps):
@@ -190,9 +190,9 @@ class ReasoningOps(HandleOps):
 
     @_clean_errors
     def _reasoning_decoder(self, cue) -> int:
-        return self._add(ReasoningDecoder.for_cue(self.tok, _tokens(cue, "reasoning.decoder")))
+        return self._handle_put(ReasoningDecoder.for_cue(self.tok, _tokens(cue, "reasoning.decoder")))
 
     @_clean_errors
     def _reasoning_feed(self, args) -> list[dict]:
         handle, tokens = _pair(args, "reasoning.feed")
-        return self._get(handle, ReasoningDecoder, "reasoning decoder").feed(_tokens(tokens, "reasoning.feed"))
+        return self._handle_get(handle, ReasoningDecoder, "reasoning decoder").feed(_tokens(tokens, "reasoning.feed"))
