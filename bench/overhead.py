@@ -29,13 +29,14 @@ import uvloop
 from report import publish
 
 from pie_actors.gpu.engine import Engine, Lane, PassRequest
-from pie_actors.gpu.server import EPILOGUES, start_engine_actor
+from pie_actors.gpu.epilogues import simple_epilogue
+from pie_actors.gpu.server import start_engine_actor
 from pie_actors.inferlet.engine_client import EngineClient
 from pie_actors.model_store import resolve_model
 
 ENGINE = dict(device="cpu", dtype="float32", num_pages=2048, num_threads=1)
 PROMPT_LEN = 4
-ARGMAX = EPILOGUES["argmax"]({})
+ARGMAX = simple_epilogue("argmax")
 
 # A client: (create + prefill a sequence -> seq, decode one token on seq -> token, free seq)
 Client = tuple[Callable[[list[int]], Awaitable[int]], Callable[[int, int], Awaitable[int]],

@@ -14,11 +14,24 @@ Requests (op: fields -> result):
     free:      seq -> None
     seq_state: seq -> SeqState
     reserve:   seq, end -> None; pages for local slots [0, end), for explicit-geometry passes
-    pass:      lanes: [LaneSpec], epilogue: {"kind": ...} -> the epilogue's output
+    pass:      lanes: [LaneSpec], epilogue: {"kind": ...}, [prologue: program id],
+               [repeat: {"budget": n, "window": w}] -> the epilogue's output (a repeating pass:
+               the number of runs kept, when it ends)
+    program:   ir (the JSON text of an eta program) -> program id on this connection
+    chan_create: shape, dtype, [capacity], [values] -> channel id (owned by the connection)
+    chan_put:  chan, value -> None          chan_take: chan -> value (error when empty)
+    chan_subscribe: chan -> None; from now on values put into it are pushed (below)
+    chan_free: chan -> None
+    repeat_ack:  pass (the repeating pass's request id), read -> None: `read` runs' outputs were read
+    repeat_stop: pass, [keep] -> None: stop repeating, cut the runs after the first `keep`
     stats:     -> Stats
 
 Epilogue kinds: "argmax" -> [int] (one token per readout row);
-"logits" -> float32 tensor [readout rows, vocab].
+"logits" -> float32 tensor [readout rows, vocab]; "program" with "id" -> [output values] of a
+registered eta program (lists / numbers).
+
+Pushes (server -> client, no id): {"push": "chan", "chan": id, "value": v} for each value put into a
+subscribed channel, or {"push": "chan", "chan": id, "error": message} when a failed pass poisoned it.
 
 Error types: BadFrame, BadRequest, UnknownSequence (never created, already freed, or another
 connection's), PassError, OutOfPages, InvalidSlot, KVStoreError, EpilogueError; anything else is
@@ -42,7 +55,8 @@ HEADER = struct.Struct(">I")
 MAX_FRAME = 64 << 20
 TENSOR_EXT = 1
 
-OPS = ("info", "create", "fork", "free", "seq_state", "reserve", "pass", "stats")
+OPS = ("info", "create", "fork", "free", "seq_state", "reserve", "pass", "program", "chan_create",
+       "chan_put", "chan_take", "chan_subscribe", "chan_free", "repeat_ack", "repeat_stop", "stats")
 ARGMAX = {"kind": "argmax"}
 LOGITS = {"kind": "logits"}
 
@@ -52,6 +66,7 @@ class LaneSpec(TypedDict, total=False):
 
     seq: int
     tokens: list[int]
+    tokens_from: int | None       # a channel the tokens are taken from when the pass runs
     positions: list[int] | None
     slots: list[int] | None
     kv_len: int | None
@@ -81,6 +96,8 @@ class Stats(TypedDict):
     kv: dict[str, int]            # total, free, referenced, cached pages
     connections: int
     sequences: int                # owned by open connections
+    channels: int
+    programs: dict[str, int]      # compiled, cache_hits
 
 
 class FrameTooLarge(ValueError):

@@ -10,7 +10,7 @@ import pytest
 
 from pie_actors.inferlet import InferletError, Sandbox
 from pie_actors.inferlet.chat_ops import ChatTokens
-from pie_actors.inferlet.runtime import run_inferlet
+from pie_actors.inferlet.runtime import CHANNEL_CAPACITY, FRAME_SIZE, RUN_AHEAD_WINDOW, run_inferlet
 from tests.engine_helpers import serve
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -77,7 +77,8 @@ async def main(input):
     assert out["nothink"] == out["cue"] == tok.encode("<|im_start|>assistant\n")
     assert out["prefix"] == []                      # SmolLM2: add_bos_token is False
     assert set(out["stop"]) == {0, 2} and tok.decode([2]) == "<|im_end|>"
-    assert out["model"] == ["smollm2-135m-instruct", "llama", 49152, 16, 1, 64, 4]
+    assert out["model"] == ["smollm2-135m-instruct", "llama", 49152, 16, FRAME_SIZE, CHANNEL_CAPACITY,
+                            RUN_AHEAD_WINDOW]
     assert out["round"] == "héllo wörld"
     # the default system message SmolLM2's template inserts never leaks into a user turn
     assert tok.decode(ChatTokens(tok).user("hi")) == "<|im_start|>user\nhi<|im_end|>\n"
@@ -180,13 +181,20 @@ def test_a_failing_inferlet_returns_its_pages_while_another_finishes(served, san
     settle(engine, server, start)
 
 
-def test_unsupported_epilogue_is_refused_clearly(served, sandbox):
-    source = COMPLETION.replace("reduce_argmax(intrinsics.output(0, \"logits\"))",
-                                "softmax(intrinsics.output(0, \"logits\"))").replace(
-        "intrinsics, reduce_argmax", "intrinsics, reduce_argmax, softmax")
+@pytest.mark.parametrize("epilogue, message", [
+    ('eta._record("frobnicate", intrinsics.output(0, "logits"))', "op 1 (frobnicate): unknown op"),
+    ('reduce_argmax(intrinsics.output(0, "hidden"))', "'hidden'"),
+    ('eta.add(intrinsics.output(0, "logits"), eta.constant([1.0, 2.0], "f32"))', "op 2 (add)"),
+])
+def test_a_bad_epilogue_is_refused_clearly_and_leaks_nothing(served, sandbox, epilogue, message):
+    engine, server = served
+    start = referenced(server)
+    source = COMPLETION.replace('reduce_argmax(intrinsics.output(0, "logits"))', epilogue).replace(
+        "from inferlet import chat, model", "from inferlet import chat, eta, model")
     with pytest.raises(InferletError) as info:
         run(served, sandbox, source, {})
-    assert "'softmax' is not supported yet" in info.value.message
+    assert info.value.kind == "exception" and message in info.value.message, info.value.message
+    settle(engine, server, start)
 
 
 def test_concurrent_programs_batch_and_match_alone(served, sandbox):

@@ -471,3 +471,24 @@ def test_randomized_operations_keep_accounting_and_contents():
         store.free(s)
     store.check()
     assert store.stats()["referenced"] == 0
+
+
+def test_cut_shortens_frozen_rows_and_copies_a_shared_tail_page():
+    store = KVStore(num_pages=8, page_size=PS)
+    a = filled(store, toks(40))                       # pages: full, full (indexed), 8 slots
+    b = store.fork(a)[0]                              # shares a's two full pages
+    assert store.cut(a, 40) == []                     # nothing to do
+    copies = store.cut(a, 20)                         # into the second page, which b and the index hold
+    assert len(copies) == 1 and copies[0][0] == store.kv_pages(b)[1]
+    assert (store.length(a), store.folded(a)) == (20, 20)
+    assert store.kv_pages(a)[1] == copies[0][1] != store.kv_pages(b)[1]
+    store.append(a, toks(4, base=7))                  # writes into a's own copy
+    store.commit(a, 24)
+    assert store.cut(a, 16) == []                     # a page boundary: nothing to copy
+    store.check()
+    with pytest.raises(InvalidSlot):
+        store.cut(a, 17)
+    store.free(a)
+    store.free(b)
+    store.check()
+    assert store.stats()["referenced"] == 0

@@ -11,13 +11,15 @@ import socket
 import threading
 from collections import Counter, deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
 
 from ..config import load_config, pick_device, pick_dtype
 from ..kvstore import KVStore, KVStoreError, Mark
+from .channels import ChannelError, ChannelStore
+from .eta import EtaError, ProgramCache
 from ..model_store import resolve_model
 from .attention import LanePlan
 from .loader import load_checkpoint
@@ -30,6 +32,9 @@ Epilogue = Callable[[torch.Tensor], Any]
 
 class PassError(ValueError):
     """A forward pass was rejected; the message names the lane and the problem."""
+
+
+_PASS_ERRORS = (PassError, KVStoreError, ChannelError, EtaError)   # a bad pass: fails alone
 
 
 @dataclass
@@ -50,6 +55,24 @@ class Lane:
     mask: list[list[bool]] | None = None
     fold: bool | int = True
     readout: list[int] | None = None      # rows of this lane whose logits reach the epilogue; default: last
+    tokens_from: int | None = None        # a channel: `tokens` are taken from it when the pass is planned
+
+
+@dataclass
+class Repeat:
+    """A pass that runs again and again (run-ahead decoding): up to `budget` times, at most `window`
+    runs ahead of what its client acknowledged reading (`Engine.ack`), until `Engine.stop`.
+    Its future resolves with the number of runs kept when it ends."""
+
+    budget: int
+    window: int
+    runs: int = 0
+    acked: int = 0
+    stopped: bool = False
+    keep: int | None = None               # runs to keep when stopped (later ones are cut off)
+    parked: bool = False                  # waiting for an ack (not in the pending queue)
+    lengths: list[dict[int, int]] = field(default_factory=list)   # seq -> length, before each run
+    channels: list[dict] = field(default_factory=list)            # device channels, before each run
 
 
 @dataclass
@@ -57,6 +80,9 @@ class PassRequest:
     lanes: list[Lane]
     epilogue: Epilogue | None = None      # logits [rows read out, vocab] -> result; default returns logits on CPU
     future: Future = field(default_factory=Future)
+    prologue: Callable[[], None] | None = None   # runs when the pass is planned, before its inputs are taken
+    channels: list[int] = field(default_factory=list)   # channels it uses: poisoned if it fails
+    repeat: Repeat | None = None
 
 
 @dataclass
@@ -89,6 +115,8 @@ class Engine:
         self.max_batch_tokens = max_batch_tokens
         self.batch_sizes: Counter[int] = Counter()   # passes per executed batch
         self._remote = remote
+        self.channels = ChannelStore(worker.device)
+        self.programs = ProgramCache()               # compiled eta programs, by IR hash
         self._pending: deque[PassRequest] = deque()
         self._copies: list[tuple[int, int]] = []
         self._lock = threading.Condition()
@@ -201,28 +229,49 @@ class Engine:
             try:
                 planned.append(self._plan_pass(req, plan))
                 busy.update(seqs)
-            except (PassError, KVStoreError) as e:
-                req.future.set_exception(e)
+            except _PASS_ERRORS as e:
+                self._fail(req, e)
         self._pending = waiting
         return planned, plan, handled
+
+    def _fail(self, req: PassRequest, error: Exception) -> None:
+        """The pass failed: its channels are poisoned, so whoever waits on them hears of it."""
+        self.channels.poison(req.channels, f"{type(error).__name__}: {error}")
+        if not req.future.done():
+            req.future.set_exception(error)
 
     def _plan_pass(self, req: PassRequest, plan: BatchPlan) -> _Planned:
         if not req.lanes:
             raise PassError("a forward pass needs at least one lane")
         if len({lane.seq for lane in req.lanes}) != len(req.lanes):
             raise PassError("two lanes of one pass update the same sequence")
-        for i, lane in enumerate(req.lanes):
+        if req.repeat is not None:
+            req.repeat.lengths.append({lane.seq: self.kv.length(lane.seq) for lane in req.lanes})
+            req.repeat.channels.append(self.channels.snapshot(req.channels))
+        if req.prologue is not None:
+            req.prologue()
+        lanes = [self._take_tokens(lane) for lane in req.lanes]
+        for i, lane in enumerate(lanes):
             self._validate(i, lane)
         undo: list[Mark] = []
         mark = (len(plan.input_ids), len(plan.lanes), len(plan.readout))
         try:
-            commits = [self._plan_lane(lane, plan, undo) for lane in req.lanes]
+            commits = [self._plan_lane(lane, plan, undo) for lane in lanes]
         except (PassError, KVStoreError):
             self._rollback(undo)
             del plan.input_ids[mark[0]:], plan.positions[mark[0]:], plan.write_slots[mark[0]:]
             del plan.lanes[mark[1]:], plan.readout[mark[2]:]
             raise
         return _Planned(req, slice(mark[2], len(plan.readout)), commits, undo)
+
+    def _take_tokens(self, lane: Lane) -> Lane:
+        """The lane with its input tokens taken from its channel, when it has one."""
+        if lane.tokens_from is None:
+            return lane
+        value = self.channels.take(lane.tokens_from)
+        if value.dtype.is_floating_point or value.dtype == torch.bool:
+            raise PassError(f"input channel {lane.tokens_from} holds {value.dtype} values, not token ids")
+        return replace(lane, tokens=value.flatten().tolist(), tokens_from=None)
 
     def _rollback(self, undo: list[Mark]) -> None:
         for mark in reversed(undo):
@@ -290,18 +339,76 @@ class Engine:
             with self._lock:
                 for p in planned:
                     self._rollback(p.undo)
-                    p.request.future.set_exception(e)
+                    self._fail(p.request, e)
             return
         self.batch_sizes[len(planned)] += 1
         for p in planned:
-            try:
+            req = p.request
+            try:                          # the epilogue first: if it fails, the pass never happened
+                rows = logits[p.rows]
+                result = req.epilogue(rows) if req.epilogue else rows.cpu()
                 with self._lock:
                     for seq, fold in p.commits:
                         self.kv.commit(seq, fold)
-                rows = logits[p.rows]
-                p.request.future.set_result(p.request.epilogue(rows) if p.request.epilogue else rows.cpu())
-            except Exception as e:        # a sequence freed mid-batch, or a failing epilogue
-                p.request.future.set_exception(e)
+            except Exception as e:        # a failing epilogue, or a sequence freed mid-batch
+                with self._lock:
+                    self._rollback(p.undo)
+                    self._fail(req, e)
+                continue
+            if req.repeat is None:
+                req.future.set_result(result)
+            else:
+                with self._lock:
+                    self._repeat_ran(req)
+
+    # ---- repeating passes (run-ahead) --------------------------------------------------------
+    def _repeat_ran(self, req: PassRequest) -> None:
+        r = req.repeat
+        r.runs += 1
+        if r.stopped or r.runs >= r.budget:
+            self._end_repeat(req)
+        elif r.runs - r.acked < r.window:
+            self._pending.append(req)
+            self._lock.notify()
+        else:
+            r.parked = True
+
+    def ack(self, req: PassRequest, read: int) -> None:
+        """The client has read the outputs of `read` runs: the pass may run `window` beyond that."""
+        with self._lock:
+            r = req.repeat
+            r.acked = max(r.acked, read)
+            if r.parked and r.runs - r.acked < r.window:
+                r.parked = False
+                self._pending.append(req)
+                self._lock.notify()
+
+    def stop(self, req: PassRequest, keep: int | None = None) -> None:
+        """Stop repeating; with `keep`, the runs after the first `keep` are cut off the sequences
+        (their tokens were produced but never read)."""
+        with self._lock:
+            r = req.repeat
+            if r.stopped or req.future.done():
+                return
+            r.stopped, r.keep = True, keep
+            if r.parked or req in self._pending:
+                if req in self._pending:
+                    self._pending.remove(req)
+                self._end_repeat(req)
+            # else it is running: _repeat_ran ends it
+
+    def _end_repeat(self, req: PassRequest) -> None:
+        r = req.repeat
+        kept = r.runs if r.keep is None else min(r.keep, r.runs)
+        if kept < r.runs:                 # as if the runs after `kept` had never happened
+            try:
+                for seq, length in r.lengths[kept].items():
+                    self._copies.extend(self.kv.cut(seq, length))
+            except KVStoreError as e:     # the sequence was freed meanwhile
+                req.future.set_exception(e)
+                return
+            self.channels.restore(r.channels[kept])
+        req.future.set_result(kept)
 
     # ---- background loop ---------------------------------------------------------------------
     def start(self) -> "Engine":

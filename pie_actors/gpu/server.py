@@ -19,12 +19,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
 from .. import protocol
 from ..config import load_config
 from ..kvstore import KVStoreError, UnknownSequence
-from .engine import Engine, Epilogue, Lane, PassError, PassRequest
+from .channels import ChannelError
+from .engine import Engine, Epilogue, Lane, PassError, PassRequest, Repeat
+from .epilogues import SIMPLE, EpilogueError, program_epilogue, prologue_runner, simple_epilogue
+from .eta import EtaError, Program
 
 log = logging.getLogger(__name__)
 
@@ -35,39 +36,16 @@ class BadRequest(ValueError):
     """A request whose shape or field types are wrong."""
 
 
-class EpilogueError(RuntimeError):
-    """An epilogue failed on its logits, or returned something that cannot be sent."""
+def _channels_of(program: Program) -> set[int]:
+    """The channels a program takes from or puts into."""
+    return {node.args[0] for node in program.nodes if node.spec.name in ("take", "put")}
 
 
-# ---- epilogues: spec {"kind": ..., ...} -> function of the pass's readout logits [rows, vocab] ----------
-# They run on the engine thread, next to the logits; only their (small) outputs cross the wire.
-# The compiled epilogue IR (issue 4) plugs in as another kind.
-
-def _argmax(spec: dict[str, Any]) -> Epilogue:
-    return lambda logits: logits.argmax(-1).tolist()
-
-
-def _logits(spec: dict[str, Any]) -> Epilogue:
-    def rows(logits: torch.Tensor) -> Any:
-        data = logits.float().cpu().numpy().astype("<f4", copy=False).tobytes()
-        return protocol.tensor("f", list(logits.shape), data)
-    return rows
-
-
-EPILOGUES: dict[str, Callable[[dict[str, Any]], Epilogue]] = {"argmax": _argmax, "logits": _logits}
-
-
-def _epilogue(spec: Any) -> Epilogue:
-    if not isinstance(spec, dict) or spec.get("kind") not in EPILOGUES:
-        raise BadRequest(f"epilogue must be a map with 'kind' one of {sorted(EPILOGUES)}, got {spec!r:.80}")
-    run = EPILOGUES[spec["kind"]](spec)
-
-    def guarded(logits: torch.Tensor) -> Any:
-        try:
-            return run(logits)
-        except Exception as e:
-            raise EpilogueError(f"epilogue {spec['kind']!r} failed: {type(e).__name__}: {e}") from e
-    return guarded
+def _epilogue_kind(spec: Any) -> str:
+    kinds = [*SIMPLE, "program"]
+    if not isinstance(spec, dict) or spec.get("kind") not in kinds:
+        raise BadRequest(f"epilogue must be a map with 'kind' one of {kinds}, got {spec!r:.80}")
+    return spec["kind"]
 
 
 # ---- wire input validation ---------------------------------------------------------------------------
@@ -95,10 +73,18 @@ def _optional(check: Callable[[Any, str], Any], value: Any, what: str) -> Any:
     return None if value is None else check(value, what)
 
 
-_FIELDS = {"info": (), "create": (), "stats": (), "fork": ("seq",), "free": ("seq",),
-           "seq_state": ("seq",), "reserve": ("seq", "end"), "pass": ("lanes", "epilogue")}
-_LANE_FIELDS = {"seq", "tokens", "positions", "slots", "kv_len", "mask", "fold", "readout"}
-_KNOWN_ERRORS = (BadRequest, EpilogueError, PassError, KVStoreError)
+# op -> (required fields, optional fields)
+_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "info": ((), ()), "create": ((), ()), "stats": ((), ()), "fork": (("seq",), ()),
+    "free": (("seq",), ()), "seq_state": (("seq",), ()), "reserve": (("seq", "end"), ()),
+    "pass": (("lanes", "epilogue"), ("prologue", "repeat")),
+    "program": (("ir",), ()),
+    "chan_create": (("shape", "dtype"), ("capacity", "values")), "chan_put": (("chan", "value"), ()),
+    "chan_take": (("chan",), ()), "chan_subscribe": (("chan",), ()), "chan_free": (("chan",), ()),
+    "repeat_ack": (("pass", "read"), ()), "repeat_stop": (("pass",), ("keep",)),
+}
+_LANE_FIELDS = {"seq", "tokens", "positions", "slots", "kv_len", "mask", "fold", "readout", "tokens_from"}
+_KNOWN_ERRORS = (BadRequest, EpilogueError, PassError, KVStoreError, ChannelError, EtaError)
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -145,7 +131,10 @@ class EngineServer:
     def stats(self) -> protocol.Stats:
         kv = self.engine.kv_stats()
         # dict() of a Counter copies in C under the GIL: safe while the engine thread increments it
+        programs = self.engine.programs
         return {"batch_sizes": dict(self.engine.batch_sizes), "kv": kv,
+                "programs": {"compiled": programs.misses, "cache_hits": programs.hits},
+                "channels": len(self.engine.channels),
                 "connections": len(self._connections),
                 "sequences": sum(len(c.owned) for c in list(self._connections))}
 
@@ -203,7 +192,10 @@ class _Connection:
         self.writer = writer
         self.loop = asyncio.get_running_loop()
         self.task = asyncio.current_task()
-        self.owned: set[int] = set()
+        self.owned: set[int] = set()                  # sequences
+        self.channels: set[int] = set()
+        self.programs: list[Program] = []             # registered eta programs, by id
+        self.repeats: dict[int, PassRequest] = {}     # pass request id -> its repeating pass
 
     def send(self, message: dict[str, Any]) -> None:
         if not self.writer.is_closing():
@@ -233,10 +225,12 @@ class _Connection:
         op = msg.get("op")
         if op not in _FIELDS:
             raise BadRequest(f"unknown op {op!r}; known: {list(_FIELDS)}")
-        extra = set(msg) - {"id", "op", *_FIELDS[op]}
-        missing = [f for f in _FIELDS[op] if f not in msg]
+        required, optional = _FIELDS[op]
+        extra = set(msg) - {"id", "op", *required, *optional}
+        missing = [f for f in required if f not in msg]
         if extra or missing:
-            raise BadRequest(f"{op}: fields {list(_FIELDS[op])} expected; missing {missing}, unknown {sorted(extra)}")
+            raise BadRequest(f"{op}: fields {list(required)} (optional {list(optional)}) expected; "
+                             f"missing {missing}, unknown {sorted(extra)}")
         return getattr(self, "_op_" + op)(msg)
 
     def _own(self, value: Any) -> int:
@@ -277,12 +271,44 @@ class _Connection:
         self.engine.reserve(seq, end)
 
     def _op_pass(self, msg: dict[str, Any]) -> object:
-        lanes = msg["lanes"]
-        if not isinstance(lanes, list):
+        lanes_in = msg["lanes"]
+        if not isinstance(lanes_in, list):
             raise BadRequest("lanes must be a list of lane maps")
-        request = PassRequest([self._lane(i, lane) for i, lane in enumerate(lanes)], _epilogue(msg["epilogue"]))
+        lanes = [self._lane(i, lane) for i, lane in enumerate(lanes_in)]
+        rows = [len(lane.readout) if lane.readout is not None else 1 for lane in lanes]
+        spec = msg["epilogue"]
+        request = PassRequest(lanes, self._epilogue(spec, rows))
+        used = {lane.tokens_from for lane in lanes if lane.tokens_from is not None}
+        if _epilogue_kind(spec) == "program":
+            used |= _channels_of(self._program(spec.get("id")))
+        if msg.get("prologue") is not None:
+            prologue = self._program(msg["prologue"])
+            request.prologue = prologue_runner(prologue, self.engine.channels, self.channels)
+            used |= _channels_of(prologue)
+        request.channels = sorted(used)
+        if msg.get("repeat") is not None:
+            request.repeat = self._repeat(msg["repeat"])
+            self.repeats[msg["id"]] = request
         self.engine.submit(request).add_done_callback(partial(self._pass_done, msg["id"]))
         return _PENDING
+
+    def _epilogue(self, spec: Any, rows: list[int]) -> Epilogue:
+        kind = _epilogue_kind(spec)
+        if kind != "program":
+            return simple_epilogue(kind)
+        return program_epilogue(self._program(spec.get("id")), rows, self.engine.channels, self.channels)
+
+    def _program(self, pid: Any) -> Program:
+        if type(pid) is not int or not 0 <= pid < len(self.programs):
+            raise BadRequest(f"unknown program {pid!r} (register it with the 'program' op)")
+        return self.programs[pid]
+
+    @staticmethod
+    def _repeat(spec: Any) -> Repeat:
+        if not isinstance(spec, dict) or type(spec.get("budget")) is not int or type(spec.get("window")) is not int \
+                or spec["budget"] < 1 or spec["window"] < 1:
+            raise BadRequest("repeat must be a map with positive integers 'budget' and 'window'")
+        return Repeat(spec["budget"], spec["window"])
 
     def _lane(self, i: int, lane: Any) -> Lane:
         if not isinstance(lane, dict) or not {"seq", "tokens"} <= lane.keys() or lane.keys() - _LANE_FIELDS:
@@ -291,12 +317,69 @@ class _Connection:
         fold = lane.get("fold", True)
         if type(fold) is not bool:
             _int(fold, f"lane {i}: fold")
+        tokens_from = _optional(_int, lane.get("tokens_from"), f"lane {i}: tokens_from")
+        if tokens_from is not None:
+            self._chan(tokens_from)
         return Lane(seq=self._own(lane["seq"]), tokens=_ints(lane["tokens"], f"lane {i}: tokens"),
                     positions=_optional(_ints, lane.get("positions"), f"lane {i}: positions"),
                     slots=_optional(_ints, lane.get("slots"), f"lane {i}: slots"),
                     kv_len=_optional(_int, lane.get("kv_len"), f"lane {i}: kv_len"),
                     mask=_optional(_mask, lane.get("mask"), f"lane {i}: mask"), fold=fold,
-                    readout=_optional(_ints, lane.get("readout"), f"lane {i}: readout"))
+                    readout=_optional(_ints, lane.get("readout"), f"lane {i}: readout"),
+                    tokens_from=tokens_from)
+
+    # ---- programs, channels, repeats -------------------------------------------------------------------
+    def _op_program(self, msg: dict[str, Any]) -> int:
+        ir = msg["ir"]
+        if not isinstance(ir, str):
+            raise BadRequest("program: 'ir' is the JSON text of an eta program")
+        self.programs.append(self.engine.programs.get(ir, self.engine.worker.device))
+        return len(self.programs) - 1
+
+    def _chan(self, value: Any) -> int:
+        cid = _int(value, "chan")
+        if cid not in self.channels:
+            raise ChannelError(f"channel {cid} does not exist (never created on this connection, or freed)")
+        return cid
+
+    def _op_chan_create(self, msg: dict[str, Any]) -> int:
+        cid = self.engine.channels.create(msg["shape"], msg["dtype"], msg.get("capacity", 1), msg.get("values"))
+        self.channels.add(cid)
+        return cid
+
+    def _op_chan_put(self, msg: dict[str, Any]) -> None:
+        self.engine.channels.put(self._chan(msg["chan"]), msg["value"])
+
+    def _op_chan_take(self, msg: dict[str, Any]) -> Any:
+        return self.engine.channels.take(self._chan(msg["chan"])).tolist()
+
+    def _op_chan_subscribe(self, msg: dict[str, Any]) -> None:
+        self.engine.channels.subscribe(self._chan(msg["chan"]), self._push_channel)
+
+    def _op_chan_free(self, msg: dict[str, Any]) -> None:
+        cid = self._chan(msg["chan"])
+        self.channels.discard(cid)
+        self.engine.channels.free(cid)
+
+    def _push_channel(self, cid: int, value: Any, error: str | None) -> None:
+        # Called on the engine thread (an epilogue's put) or on this loop (subscribe): hand over.
+        push = {"push": "chan", "chan": cid, **({"error": error} if error is not None else {"value": value})}
+        try:
+            self.loop.call_soon_threadsafe(self.send, push)
+        except RuntimeError:
+            pass   # the server closed meanwhile
+
+    def _repeating(self, value: Any) -> PassRequest:
+        request = self.repeats.get(_int(value, "pass"))
+        if request is None:
+            raise BadRequest(f"no repeating pass with request id {value!r} is running")
+        return request
+
+    def _op_repeat_ack(self, msg: dict[str, Any]) -> None:
+        self.engine.ack(self._repeating(msg["pass"]), _int(msg["read"], "read"))
+
+    def _op_repeat_stop(self, msg: dict[str, Any]) -> None:
+        self.engine.stop(self._repeating(msg["pass"]), _optional(_int, msg.get("keep"), "keep"))
 
     def _pass_done(self, id: int, future: Future) -> None:
         # Runs on the engine thread (or here, if the pass failed at once): hand over to the loop.
@@ -306,6 +389,7 @@ class _Connection:
             pass   # the server closed meanwhile: nobody is left to answer
 
     def _reply_pass(self, id: int, future: Future) -> None:
+        self.repeats.pop(id, None)
         e = future.exception()
         if e is not None:
             self.send(protocol.error(id, type(e).__name__, str(e)))
@@ -318,7 +402,13 @@ class _Connection:
             self.writer.write(frame)
 
     def release(self) -> None:
-        """Free every sequence this connection still owns (it closed)."""
+        """Free every sequence and channel this connection still owns (it closed)."""
+        for request in list(self.repeats.values()):
+            self.engine.stop(request)
+        self.repeats.clear()
+        for cid in self.channels:
+            self.engine.channels.free(cid)
+        self.channels.clear()
         for seq in self.owned:
             try:
                 self.engine.free(seq)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from .. import protocol
 
@@ -31,6 +31,8 @@ class EngineError(Exception):
 class EngineClient:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, address: tuple[str, int]):
         self.address = address
+        self.requests = 0                 # requests sent (host -> engine round trips started)
+        self.on_push: Callable[[dict], None] | None = None   # server pushes (subscribed channel values)
         self._reader, self._writer = reader, writer
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
@@ -48,14 +50,21 @@ class EngineClient:
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
 
-    async def call(self, op: str, **fields: Any) -> Any:
-        """Send one request and return its result; raises EngineError for an error response."""
+    def start(self, op: str, **fields: Any) -> tuple[int, asyncio.Future]:
+        """Send one request now (no await: requests go out in call order); returns its id and the
+        future of its result."""
         if self._lost is not None:
             raise self._connection_lost()
         id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._pending[id] = future
         self._writer.write(protocol.pack(protocol.request(id, op, **fields)))
+        self.requests += 1
+        return id, future
+
+    async def call(self, op: str, **fields: Any) -> Any:
+        """Send one request and return its result; raises EngineError for an error response."""
+        _, future = self.start(op, **fields)
         if self._writer.transport.get_write_buffer_size() > _HIGH_WATER:
             try:
                 await self._writer.drain()
@@ -89,6 +98,10 @@ class EngineClient:
         "logits": a float32 memoryview of shape [readout rows, vocab])."""
         return await self.call("pass", lanes=lanes, epilogue=epilogue)
 
+    async def program(self, ir: str) -> int:
+        """Register (and compile, once per engine) an eta program; returns its id here."""
+        return await self.call("program", ir=ir)
+
     async def stats(self) -> protocol.Stats:
         return await self.call("stats")
 
@@ -112,6 +125,10 @@ class EngineClient:
         try:
             while True:
                 message = protocol.unpack(await protocol.read_frame(self._reader))
+                if "push" in message:
+                    if self.on_push is not None:
+                        self.on_push(message)
+                    continue
                 future = self._pending.pop(message.get("id"), None)
                 if future is None:
                     # id None: the server could not read one of our frames (a client bug); the call

@@ -3,29 +3,20 @@
 `InferletHost` is the `HostApi` of one run. It owns an asyncio loop thread with one
 `EngineClient` connection to the engine's data plane (so every sequence the run creates is
 freed when the connection closes, however the run ends), the model's host-side `Tokenizer` and
-chat template, the run's working-set handles (engine sequences) and compiled epilogues.
+chat template, and (through its mixins) the run's working sets, programs and channels.
 
-Host operations (the guest SDK's calls; see sdk/inferlet/):
-    model.info / model.encode / model.decode
-    chat.prefix / chat.system / chat.user / chat.assistant / chat.cue /
-        chat.cue_without_thinking / chat.stop_tokens
-    ws.create / ws.fork / ws.state / ws.reserve
-    eta.epilogue (IR -> compiled id) / eta.submit (pass -> future id)
-    session.receive / receive_file / send_file / file / send_to (session_ops.py)
-
-Pass ordering: `eta.submit` schedules the pass on the loop thread with
-`run_coroutine_threadsafe`, which keeps call order, and the coroutine writes its request frame
-before its first suspension, so a pipeline's passes reach the engine in submission order; the
-engine keeps the passes of one sequence in arrival order.
+Host operations (the guest SDK's calls; see sdk/inferlet/), by mixin:
+    model.info / model.encode / model.decode                          (here)
+    chat.*                                                            (chat_ops.py)
+    ws.*, eta.program / submit / run_ahead..., chan.*                  (eta_ops.py)
+    session.receive / receive_file / send_file / file / send_to       (session_ops.py)
 
 `run_inferlet(source, input, engine_address)` runs one inferlet end to end.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable
 
@@ -33,54 +24,17 @@ from .. import protocol
 from .engine_client import EngineClient, EngineError
 from .chat_ops import ChatOps
 from .host import HostApi, HostOpError, InferletError, Sandbox
+from .eta_ops import EtaOps
 from .session_ops import SessionOps
 
-__all__ = ["InferletHost", "run_inferlet", "ir_to_epilogue", "default_sandbox"]
+__all__ = ["InferletHost", "run_inferlet", "default_sandbox"]
 
-# Engine runtime constants the engine does not report yet (no channels or run-ahead so far).
+# Runtime constants the guest reads through model.*(): passes per frame, the channel capacity
+# to ask for when a channel buffers a whole decode, passes a run-ahead keeps in flight.
 FRAME_SIZE = 1
-CHANNEL_CAPACITY = 64
-RUN_AHEAD_WINDOW = 4
+CHANNEL_CAPACITY = 1024
+RUN_AHEAD_WINDOW = 8
 CONNECT_TIMEOUT_S = 30.0
-
-
-# ---------------------------------------------------------------------------------------------
-# epilogues: the guest's traced IR -> an engine epilogue (the seam for issue 4's compiler)
-
-@dataclass(frozen=True)
-class CompiledEpilogue:
-    spec: dict[str, Any]          # the engine's epilogue spec for the pass request
-    lane: int                     # the lane whose read-out rows the result is taken from
-
-
-def ir_to_epilogue(ir: dict[str, Any]) -> CompiledEpilogue:
-    """Compile a traced epilogue IR {"ops": [[op, args], ...], "outputs": [ref, ...]}.
-
-    Supported so far: exactly `reduce_argmax(intrinsics.output(lane, "logits"))`, which maps to
-    the engine's "argmax" epilogue. The full IR compiler (torch / Triton backends) is issue 4;
-    anything else is refused with a message naming the operation.
-    """
-    ops, outputs = ir.get("ops"), ir.get("outputs")
-    if not isinstance(ops, list) or not isinstance(outputs, list):
-        raise HostOpError("an epilogue IR needs 'ops' and 'outputs' lists")
-    supported = {"output", "reduce_argmax"}
-    for op in ops:
-        if op[0] not in supported:
-            raise HostOpError(f"epilogue operation {op[0]!r} is not supported yet: this runtime runs "
-                              "only reduce_argmax(intrinsics.output(lane, 'logits')) "
-                              "(the epilogue compiler comes with issue 4)")
-    if len(outputs) != 1:
-        raise HostOpError(f"epilogues with {len(outputs)} outputs are not supported yet (one output)")
-    if (len(ops) == 2 and ops[0][0] == "output" and ops[1] == ["reduce_argmax", [{"t": 0}]]
-            and outputs == [1]):
-        lane, name = ops[0][1]
-        if name != "logits":
-            raise HostOpError(f"model output {name!r} is not available; known outputs: 'logits'")
-        if type(lane) is not int or lane < 0:
-            raise HostOpError(f"intrinsics.output lane must be a lane index, got {lane!r}")
-        return CompiledEpilogue(protocol.ARGMAX, lane)
-    raise HostOpError("this epilogue is not supported yet: only "
-                      "reduce_argmax(intrinsics.output(lane, 'logits')) runs so far (issue 4)")
 
 
 @lru_cache(maxsize=8)
@@ -93,7 +47,7 @@ def _tokenizer(model_dir: str):
 # ---------------------------------------------------------------------------------------------
 # the host of one run
 
-class InferletHost(ChatOps, SessionOps, HostApi):
+class InferletHost(ChatOps, SessionOps, EtaOps, HostApi):
     """Host operations of one inferlet run, connected to the engine at `engine_address`."""
 
     def __init__(self, engine_address: tuple[str, int], *, on_send: Callable[[str], None] | None = None,
@@ -115,10 +69,7 @@ class InferletHost(ChatOps, SessionOps, HostApi):
             raise
         self.model_dir = model_dir or self.info["model_dir"]
         self._tok = None
-        self._ws: dict[int, int] = {}                      # working-set handle -> engine sequence
-        self._epilogues: list[CompiledEpilogue] = []
-        self._epilogue_ids: dict[str, int] = {}
-        self.passes = 0
+        self._init_eta()
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -189,89 +140,6 @@ class InferletHost(ChatOps, SessionOps, HostApi):
         except ValueError as e:
             raise HostOpError(str(e)) from None
 
-    # -- working sets ---------------------------------------------------------------------------
-
-    def _seq(self, handle) -> int:
-        seq = self._ws.get(handle) if type(handle) is int else None
-        if seq is None:
-            raise HostOpError(f"unknown working set {handle!r}")
-        return seq
-
-    def _ws_create(self, args) -> int:
-        seq = self._wait(self.client.create())
-        handle = len(self._ws) + 1
-        self._ws[handle] = seq
-        return handle
-
-    def _ws_fork(self, handle) -> int:
-        seq = self._wait(self.client.fork(self._seq(handle)))
-        child = len(self._ws) + 1
-        self._ws[child] = seq
-        return child
-
-    def _ws_state(self, handle) -> dict:
-        return self._wait(self.client.state(self._seq(handle)))
-
-    def _ws_reserve(self, args) -> None:
-        handle, end = args
-        self._wait(self.client.reserve(self._seq(handle), end))
-
-    # -- passes ---------------------------------------------------------------------------------
-
-    def _epilogue(self, ir_text) -> int:
-        eid = self._epilogue_ids.get(ir_text)
-        if eid is None:
-            try:
-                ir = json.loads(ir_text)
-            except (TypeError, ValueError):
-                raise HostOpError("epilogue IR is not JSON") from None
-            self._epilogues.append(ir_to_epilogue(ir))
-            eid = self._epilogue_ids[ir_text] = len(self._epilogues) - 1
-        return eid
-
-    def _submit(self, args) -> int:
-        lanes_in = args.get("lanes") if isinstance(args, dict) else None
-        if not isinstance(lanes_in, list) or not lanes_in:
-            raise HostOpError("a pass needs at least one lane")
-        eid = args.get("epilogue")
-        epilogue = None
-        if eid is not None:
-            if type(eid) is not int or not 0 <= eid < len(self._epilogues):
-                raise HostOpError(f"unknown epilogue {eid!r}")
-            epilogue = self._epilogues[eid]
-            if epilogue.lane >= len(lanes_in):
-                raise HostOpError(f"the epilogue reads lane {epilogue.lane} of a pass with "
-                                  f"{len(lanes_in)} lane(s)")
-        lanes, rows = [], []
-        for lane in lanes_in:
-            spec = {k: v for k, v in lane.items() if k != "ws"}
-            spec["seq"] = self._seq(lane.get("ws"))
-            lanes.append(spec)
-            rows.append(len(lane["readout"]) if lane.get("readout") is not None else 1)
-        fid = self.futures.new()
-        self.passes += 1
-        asyncio.run_coroutine_threadsafe(self._pass(fid, lanes, epilogue, rows), self.loop)
-        return fid
-
-    async def _pass(self, fid: int, lanes: list, epilogue: CompiledEpilogue | None, rows: list[int]) -> None:
-        # no await before the request is written: passes go out in submission order
-        try:
-            out = await self.client.forward(lanes, epilogue.spec if epilogue else protocol.ARGMAX)
-            if epilogue is None:
-                value = None
-            else:
-                start = sum(rows[:epilogue.lane])
-                mine = out[start:start + rows[epilogue.lane]]
-                value = mine[0] if len(mine) == 1 else mine
-        except EngineError as e:
-            self._complete(fid, error=f"{e.type}: {e.message}")
-        except BaseException as e:   # never leave the guest waiting on a pass that failed here
-            self._complete(fid, error=f"{type(e).__name__}: {e}")
-            if not isinstance(e, Exception):
-                raise
-        else:
-            self._complete(fid, value=value)
-
     def _complete(self, fid: int, value: Any = None, error: str | None = None) -> None:
         try:
             if error is not None:
@@ -282,11 +150,8 @@ class InferletHost(ChatOps, SessionOps, HostApi):
             pass   # the run is over; nobody waits for it
 
     # op -> method name (looked up on the instance, so subclasses can override a handler)
-    _OPS: dict[str, str] = {**ChatOps.CHAT_OPS, **SessionOps.SESSION_OPS,
+    _OPS: dict[str, str] = {**ChatOps.CHAT_OPS, **SessionOps.SESSION_OPS, **EtaOps.ETA_OPS,
         "model.info": "_model_info", "model.encode": "_encode", "model.decode": "_decode",
-        "ws.create": "_ws_create", "ws.fork": "_ws_fork", "ws.state": "_ws_state",
-        "ws.reserve": "_ws_reserve",
-        "eta.epilogue": "_epilogue", "eta.submit": "_submit",
     }
 
 # ---------------------------------------------------------------------------------------------

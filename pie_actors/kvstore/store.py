@@ -213,6 +213,27 @@ class KVStore:
             self._pool.decref(page)
         del s.pages[keep:]
 
+    def cut(self, seq: int, length: int) -> list[tuple[int, int]]:
+        """Shorten a sequence to its first ``length`` slots, frozen ones included (a run-ahead that
+        went past the tokens its program read). A partial tail page that others share or that the
+        prefix index holds is replaced by a copy, since the sequence will write into it again:
+        returns [(src_page, dst_page)] for the engine to copy before its next batch."""
+        s = self._get(seq)
+        if not 0 <= length <= s.length:
+            raise InvalidSlot(f"sequence {seq}: cannot cut to {length}, it has {s.length} slots")
+        full, tail = divmod(length, self.page_size)
+        copies = []
+        if tail and (full < len(s.keys) or self._pool.refcount[s.pages[full]] > 1):
+            (page,) = self._pool.allocate(1)
+            copies.append((s.pages[full], page))
+            self._pool.decref(s.pages[full])
+            s.pages[full] = page
+        s.folded = min(s.folded, length)
+        s.cached_tokens = min(s.cached_tokens, length)
+        del s.keys[full:]
+        self.truncate(seq, length)
+        return copies
+
     def mark(self, seq: int) -> "Mark":
         """The sequence's extent now, for `rollback` if the pass being planned fails."""
         s = self._get(seq)

@@ -1,15 +1,20 @@
-"""Forward passes, working sets, pipelines and epilogues (the `eta` device-program API).
+"""Forward passes, working sets, pipelines, channels and epilogues (the `eta` device-program API).
 
-An inferlet builds a `ForwardPass` (input tokens, the working sets its lanes extend, the
-rows read out, an epilogue), submits it to a `Pipeline` without blocking, and awaits the
-epilogue's result.
+An inferlet builds a `ForwardPass` (input tokens or a channel, the working sets its lanes
+extend, the rows read out, an epilogue), submits it to a `Pipeline` without blocking, and
+awaits the epilogue's result.
 
-Epilogues are *traced*: `fwd.epilogue(f)` calls `f()` once with placeholder tensors, and
-every eta operation it applies is recorded into a small IR,
+Epilogues (and prologues) are *traced*: `fwd.epilogue(f)` calls `f()` once with placeholder
+tensors, and every eta operation it applies is recorded into a small IR,
 ``{"ops": [[op, args], ...], "outputs": [ref, ...]}``, where a tensor argument is
-``{"t": index of the op that made it}``. The host compiles each distinct IR once
-(`pie_actors.inferlet.runtime.ir_to_epilogue`) and refuses, with a clear message, operations
-it cannot run yet. Python control flow runs at trace time; use `select` to branch on values.
+``{"t": index of the op that made it}``. The engine compiles each distinct IR once
+(`pie_actors.gpu.eta`: torch, or a fused Triton kernel on CUDA) and runs it right after the
+model; a bad program is refused when it is traced. Python control flow runs at trace time;
+use `select` to branch on values.
+
+Channels are queues in the engine's memory. `put`/`take` inside a traced function run on the
+device; outside one they are host operations. A pass can take its input tokens from a channel,
+so an epilogue can feed the next pass without a host round trip (`Pipeline.run_ahead`).
 """
 from __future__ import annotations
 
@@ -18,8 +23,8 @@ import json
 
 from . import _host
 
-__all__ = ["ForwardPass", "Pipeline", "StateGeometry", "WorkingSet", "Tensor", "intrinsics",
-           "trace"]
+__all__ = ["ForwardPass", "Pipeline", "StateGeometry", "WorkingSet", "Tensor", "Channel", "dtype",
+           "intrinsics", "trace"]
 
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, sort_keys=True).encode
 
@@ -139,7 +144,8 @@ def _record(op: str, *args) -> Tensor:
 
 
 def trace(f) -> dict:
-    """Trace `f()` into the IR {"ops": [...], "outputs": [...]}."""
+    """Trace `f()` into the IR {"ops": [...], "outputs": [...]}. `f` returns a tensor, a list
+    of tensors, or None (a function that only puts into channels)."""
     global _tracing
     if _tracing is not None:
         raise RuntimeError("epilogues cannot be traced inside another trace")
@@ -149,7 +155,7 @@ def trace(f) -> dict:
         ops = _tracing
     finally:
         _tracing = None
-    outs = list(out) if isinstance(out, (list, tuple)) else [out]
+    outs = [] if out is None else list(out) if isinstance(out, (list, tuple)) else [out]
     for o in outs:
         if not isinstance(o, Tensor):
             raise TypeError(f"an epilogue must return eta tensors, got {type(o).__name__}")
@@ -189,31 +195,128 @@ del _name
 
 
 # ---------------------------------------------------------------------------------------------
+# channels
+
+class dtype:
+    """Element types of channels and of `cast`/`constant`/`iota`."""
+
+    f32, f16, bf16, i32, i64, u32, bool = "f32", "f16", "bf16", "i32", "i64", "u32", "bool"
+
+
+def _shape_of(values) -> list[int]:
+    shape = []
+    while isinstance(values, (list, tuple)):
+        shape.append(len(values))
+        values = values[0] if values else None
+    return shape
+
+
+class Channel:
+    """A typed queue in the engine's memory, of values of one `shape` and `dtype`.
+
+    Created on first use, so `.capacity(n)` (default 1) can follow the constructor. `put`/`take`
+    inside a traced epilogue or prologue run on the device; outside, they are host operations.
+    A channel read on the host with `await take_scalar()` becomes device -> host: the engine
+    sends each value put into it to the host as it is produced."""
+
+    def __init__(self, shape, dtype: str = dtype.i32) -> None:
+        self._shape = [int(d) for d in shape]
+        self._dtype = str(dtype)
+        self._capacity = 1
+        self._values = None
+        self._handle: int | None = None
+
+    @classmethod
+    def from_(cls, values, dtype: str = dtype.i32) -> "Channel":
+        """A channel holding `values` (its shape is theirs) as its first element."""
+        chan = cls(_shape_of(values), dtype)
+        chan._values = values
+        return chan
+
+    def capacity(self, n: int) -> "Channel":
+        """How many values the channel can buffer; set it before the channel is used."""
+        if self._handle is not None:
+            raise RuntimeError("set a channel's capacity before its first use")
+        self._capacity = int(n)
+        return self
+
+    def _h(self) -> int:
+        if self._handle is None:
+            self._handle = _host.call("chan.create", {"shape": self._shape, "dtype": self._dtype,
+                                                      "capacity": self._capacity, "values": self._values})
+        return self._handle
+
+    def put(self, value) -> None:
+        """Enqueue a value (on the device inside a traced function, from the host otherwise)."""
+        if _tracing is not None:
+            _record("put", self._h(), value)
+        else:
+            _host.call("chan.put", [self._h(), value])
+
+    def take(self):
+        """Dequeue a value: a tensor inside a traced function, a (nested) list on the host."""
+        if _tracing is not None:
+            return _record("take", self._h())
+        return _host.call("chan.take", self._h())
+
+    async def take_scalar(self):
+        """The next value, as a number, once the device has put it."""
+        return await _host.call_async("chan.take_scalar", self._h())
+
+    def _layout(self) -> list[int]:
+        """The values of a host-filled channel used as a pass's lane layout (indptr)."""
+        if self._values is None:
+            raise ValueError("a channel used as indptr must be made with Channel.from_(offsets)")
+        return [int(v) for v in self._values]
+
+
+# ---------------------------------------------------------------------------------------------
 # forward passes and pipelines
 
-_epilogue_ids: dict[str, int] = {}   # IR text -> the host's compiled epilogue id (per run)
-_traced: dict = {}                    # (code, closure values, defaults) -> compiled epilogue id
+_programs: dict[str, int] = {}   # IR text -> the engine's program id (per run)
+_traced: dict = {}               # (code, closure values, defaults) -> program id
 _PLAIN = (bool, int, float, str, type(None))
 
 
+def _key_value(v):
+    if isinstance(v, _PLAIN):
+        return v
+    if isinstance(v, Channel):
+        return ("channel", v._h())
+    raise TypeError
+
+
 def _trace_key(f):
-    """A key under which `f`'s trace can be reused: its code plus the plain values it closes
-    over (the same lambda written in a loop is traced once). None: trace every time."""
+    """A key under which `f`'s trace can be reused: its code plus the plain values and channels
+    it closes over (the same lambda written in a loop is traced once). None: trace every time."""
     code = getattr(f, "__code__", None)
     if code is None:
         return None
     try:
-        values = tuple(c.cell_contents for c in (f.__closure__ or ()))
-    except ValueError:        # an empty cell
-        return None
-    defaults = f.__defaults__ or ()
-    if not all(isinstance(v, _PLAIN) for v in values + defaults):
+        values = tuple(_key_value(c.cell_contents) for c in (f.__closure__ or ()))
+        defaults = tuple(_key_value(d) for d in (f.__defaults__ or ()))
+    except (ValueError, TypeError):        # an empty cell, or a value that is not plain
         return None
     return code, values, defaults
 
 
+def _program(f) -> int:
+    """The engine's program id for the traced function `f` (traced and registered once)."""
+    key = _trace_key(f)
+    pid = _traced.get(key) if key is not None else None
+    if pid is None:
+        ir = _dumps(trace(f))
+        pid = _programs.get(ir)
+        if pid is None:
+            pid = _programs[ir] = _host.call("eta.program", ir)
+        if key is not None:
+            _traced[key] = pid
+    return pid
+
+
 class _Result:
-    """The awaitable an epilogue returns: resolves to the epilogue's output once the pass ran."""
+    """The awaitable an epilogue returns: resolves to the epilogue's output once the pass ran
+    (a number or list for one output, a list of them for several)."""
 
     __slots__ = ("_fut",)
 
@@ -240,17 +343,26 @@ class ForwardPass:
 
     def __init__(self) -> None:
         self._tokens: list[int] | None = None
+        self._channel: Channel | None = None
         self._indptr: list[int] | None = None
         self._ws: list[WorkingSet] | None = None
         self._geometry: StateGeometry = _FOLDING
         self._readout: list[int] | None = None
+        self._mask: list | None = None
         self._epilogue: int | None = None
+        self._prologue: int | None = None
         self._result: _Result | None = None
         self._submitted = False
 
     def embed(self, tokens, indptr=None) -> "ForwardPass":
-        """Input token ids; `indptr` ([0, n0, n0+n1, ...]) splits them into lanes."""
-        self._tokens = [int(t) for t in tokens]
+        """Input token ids, or a Channel whose next value holds them (taken when the pass runs);
+        `indptr` ([0, n0, n0+n1, ...], a list or a Channel.from_ of one) splits them into lanes."""
+        if isinstance(tokens, Channel):
+            self._channel, self._tokens = tokens, None
+        else:
+            self._tokens, self._channel = [int(t) for t in tokens], None
+        if isinstance(indptr, Channel):
+            indptr = indptr._layout()
         self._indptr = None if indptr is None else [int(i) for i in indptr]
         return self
 
@@ -268,43 +380,97 @@ class ForwardPass:
         self._readout = [int(i) for i in indices]
         return self
 
+    def mask(self, rows) -> "ForwardPass":
+        """Per-row attention masks: for each input row (over all lanes), one bool per slot of
+        its lane's attended span (kv_len) -- True: the row attends to that slot."""
+        self._mask = [[bool(b) for b in row] for row in rows]
+        return self
+
+    def group(self, lane: int, id: int) -> "ForwardPass":
+        """Group lanes that share attention state. Here every lane has its own working set and
+        the pass's lanes always run in one batch, so grouping changes nothing; it is accepted so
+        programs written for engines that share state across lanes run unchanged."""
+        self._lane_index(lane)
+        return self
+
+    def input(self, lane: int, name: str, channel) -> "ForwardPass":
+        raise ValueError(f"the model declares no extra input {name!r}: it takes only tokens")
+
+    def switch(self, lane: int, name: str, value) -> "ForwardPass":
+        raise ValueError(f"the model declares no switch {name!r} (it has none)")
+
+    def media(self, lane: int, spans) -> "ForwardPass":
+        raise ValueError("the model is text-only: it takes no image or audio spans")
+
+    def checkpoints(self, slots) -> "ForwardPass":
+        """Recurrent-state checkpoints for rollback. Attention-only models have no recurrent
+        state (rolling back is rewriting slots), so there is nothing to save: a no-op."""
+        return self
+
+    def adapter(self, site: str, f) -> "ForwardPass":
+        raise ValueError(f"adapters are not supported by this engine yet (site {site!r})")
+
+    def prologue(self, f) -> "ForwardPass":
+        """Device code run before the model pass (traced like an epilogue; its effects are
+        channel puts, e.g. preparing the pass's input channel)."""
+        self._prologue = _program(f)
+        return self
+
     def epilogue(self, f) -> _Result:
         """Attach device code run after the pass; returns an awaitable of its result.
         Usable as a decorator."""
-        key = _trace_key(f)
-        eid = _traced.get(key) if key is not None else None
-        if eid is None:
-            ir = _dumps(trace(f))
-            eid = _epilogue_ids.get(ir)
-            if eid is None:
-                eid = _epilogue_ids[ir] = _host.call("eta.epilogue", ir)
-            if key is not None:
-                _traced[key] = eid
-        self._epilogue = eid
+        self._epilogue = _program(f)
         self._result = _Result()
         return self._result
 
+    def _lane_index(self, lane: int) -> int:
+        lanes = (len(self._indptr) - 1) if self._indptr is not None else 1
+        if not 0 <= int(lane) < lanes:
+            raise ValueError(f"lane {lane} does not exist: the pass has {lanes} lane(s)")
+        return int(lane)
+
+    def _spec(self) -> dict:
+        """The host's pass spec: lanes, epilogue and prologue program ids."""
+        return {"lanes": self._lanes(), "epilogue": self._epilogue, "prologue": self._prologue}
+
     def _lanes(self) -> list[dict]:
-        if self._tokens is None:
+        if self._tokens is None and self._channel is None:
             raise ValueError("a forward pass needs input: call fwd.embed(tokens) first")
         if not self._ws:
             raise ValueError("a forward pass needs working sets: call fwd.state([ws], geometry) first")
-        bounds = self._indptr if self._indptr is not None else [0, len(self._tokens)]
+        n = len(self._tokens) if self._tokens is not None else _count(self._channel._shape)
+        bounds = self._indptr if self._indptr is not None else [0, n]
         n_lanes = len(bounds) - 1
-        if n_lanes < 1 or bounds[0] != 0 or bounds[-1] != len(self._tokens) or \
-                any(a > b for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(f"indptr {bounds} does not split {len(self._tokens)} tokens into lanes")
+        if n_lanes < 1 or bounds[0] != 0 or bounds[-1] != n or any(a > b for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"indptr {bounds} does not split {n} tokens into lanes")
         if len(self._ws) != n_lanes:
             raise ValueError(f"{n_lanes} lanes but {len(self._ws)} working sets")
+        if self._channel is not None and n_lanes != 1:
+            raise ValueError("a pass taking its tokens from a channel has one lane")
+        if self._mask is not None and len(self._mask) != n:
+            raise ValueError(f"mask has {len(self._mask)} rows for {n} input rows")
         geometry = self._geometry._fields()
         lanes = []
         for i in range(n_lanes):
             lo, hi = bounds[i], bounds[i + 1]
-            lane = {"ws": self._ws[i]._h(), "tokens": self._tokens[lo:hi], **geometry}
+            lane = {"ws": self._ws[i]._h(), **geometry}
+            if self._channel is not None:
+                lane["chan"], lane["tokens"] = self._channel._h(), []
+            else:
+                lane["tokens"] = self._tokens[lo:hi]
             if self._readout is not None:
                 lane["readout"] = [r - lo for r in self._readout if lo <= r < hi]
+            if self._mask is not None:
+                lane["mask"] = self._mask[lo:hi]
             lanes.append(lane)
         return lanes
+
+
+def _count(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 class Pipeline:
@@ -316,17 +482,58 @@ class Pipeline:
         self._id = next(Pipeline._ids)
         self._closed = False
 
-    def submit(self, fwd: ForwardPass) -> None:
+    def _check(self, fwd: ForwardPass) -> None:
         if self._closed:
             raise RuntimeError("submit on a closed pipeline")
         if fwd._submitted:
             raise RuntimeError("this forward pass was already submitted")
-        fid = _host.call("eta.submit", {"pipe": self._id, "lanes": fwd._lanes(),
-                                        "epilogue": fwd._epilogue})
+
+    def submit(self, fwd: ForwardPass) -> None:
+        """Queue one forward pass."""
+        self._check(fwd)
+        fid = _host.call("eta.submit", fwd._spec())
         fwd._submitted = True
         result = fwd._result if fwd._result is not None else _Result()
         _host.future(fid, result._future())
 
+    def submit_frame(self, passes) -> None:
+        """Queue passes that run in back-to-back scheduler waves, in order. (The engine keeps
+        each working set's passes in order and batches independent ones together.)"""
+        for fwd in passes:
+            self.submit(fwd)
+
+    async def run_ahead(self, fwd: ForwardPass, budget: int, on_token) -> int:
+        """Run `fwd` again and again on the engine (its input usually a channel its epilogue
+        feeds) until `on_token()` returns False or `budget` runs were read. The engine keeps up
+        to twice `model.run_ahead_window()` runs in flight; the host tells it how far it has read
+        once per window. Runs past the stop are cut off the working sets. Returns the runs kept."""
+        self._check(fwd)
+        from . import model
+        window = model.run_ahead_window()
+        run = _host.call("eta.run_ahead", {**fwd._spec(), "budget": int(budget), "window": 2 * window})
+        fwd._submitted = True
+        done = _host.future(run["done"])
+        read = 0
+        try:
+            while read < budget:
+                go = on_token()
+                if hasattr(go, "__await__"):
+                    go = await go
+                read += 1
+                if not go:
+                    break
+                if read % window == 0:
+                    _host.call("eta.run_ahead_ack", [run["run"], read])
+        finally:
+            if not done.done():
+                _host.call("eta.run_ahead_stop", [run["run"], read])
+        return await done
+
     def close(self) -> None:
         """No more passes; those already submitted still run."""
         self._closed = True
+
+    def park(self) -> None:
+        """Step out of batching while idle. The engine only batches passes that are pending, so
+        an idle pipeline costs nothing here: a no-op, kept for programs written for engines
+        that reserve batch slots per pipeline."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 from . import _host
 
 __all__ = ["encode", "decode", "name", "architecture", "output_vocab_size", "kv_page_size",
-           "frame_size", "channel_capacity", "run_ahead_window"]
+           "frame_size", "channel_capacity", "run_ahead_window", "draft_block", "switches", "switch"]
 
 _info: dict | None = None   # filled on first use inside a run (the snapshot is taken empty)
 
@@ -56,3 +56,19 @@ def channel_capacity() -> int:
 
 def run_ahead_window() -> int:
     return _get("run_ahead_window")
+
+
+def draft_block():
+    """The model's speculative draft head; None: no draft head was imported with this model."""
+    return None
+
+
+def switches() -> list[str]:
+    """Execution modes the model declares (e.g. diffusion steps); attention-only LMs have none."""
+    return []
+
+
+def switch(switch_name: str):
+    """The mode switch `switch_name`; a ValueError names the ones the model has."""
+    raise ValueError(f"the model {name()!r} declares no switch {switch_name!r} "
+                     f"(it has: {', '.join(switches()) or 'none'})")

@@ -1,0 +1,112 @@
+"""Epilogues of data-plane passes: a spec from the wire -> a function of the pass's read-out logits.
+
+They run on the engine thread, next to the logits; only their (small) outputs cross the wire.
+Kinds: "argmax" (one token per read-out row), "logits" (the rows as a float32 tensor), and
+"program": a compiled eta program (`pie_actors.gpu.eta`) the connection registered, run with a
+`PassEnv` that gives it the pass's logits per lane and the connection's channels.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .. import protocol
+from .channels import ChannelError, ChannelStore
+from .eta import EtaError, Program
+
+__all__ = ["EpilogueError", "PassEnv", "program_epilogue", "simple_epilogue", "SIMPLE"]
+
+Epilogue = Callable[[torch.Tensor], Any]
+
+
+class EpilogueError(RuntimeError):
+    """An epilogue failed on its logits, or returned something that cannot be sent."""
+
+
+def _argmax(logits: torch.Tensor) -> list[int]:
+    return logits.argmax(-1).tolist()
+
+
+def _logits(logits: torch.Tensor) -> Any:
+    data = logits.float().cpu().numpy().astype("<f4", copy=False).tobytes()
+    return protocol.tensor("f", list(logits.shape), data)
+
+
+SIMPLE: dict[str, Epilogue] = {"argmax": _argmax, "logits": _logits}
+
+
+def _guarded(name: str, run: Epilogue) -> Epilogue:
+    def guarded(logits: torch.Tensor) -> Any:
+        try:
+            return run(logits)
+        except (EtaError, ChannelError) as e:      # the program's own fault: its message says why
+            raise EpilogueError(f"epilogue {name} failed: {e}") from e
+        except Exception as e:
+            raise EpilogueError(f"epilogue {name} failed: {type(e).__name__}: {e}") from e
+    return guarded
+
+
+def simple_epilogue(kind: str) -> Epilogue:
+    return _guarded(repr(kind), SIMPLE[kind])
+
+
+class PassEnv:
+    """The eta Env of one pass: its logits split by lane, and the channels its connection owns."""
+
+    def __init__(self, logits: torch.Tensor | None, rows_per_lane: list[int], channels: ChannelStore,
+                 owned: set[int]) -> None:
+        self.logits, self.rows_per_lane = logits, rows_per_lane
+        self.channels, self.owned = channels, owned
+        self.starts = [0]
+        for n in rows_per_lane:
+            self.starts.append(self.starts[-1] + n)
+
+    def output(self, lane: int, name: str) -> torch.Tensor:
+        if name != "logits":
+            raise LookupError(f"the model has no output {name!r} (it has: 'logits')")
+        if self.logits is None:
+            raise LookupError("a prologue runs before the model: it has no model outputs")
+        if not 0 <= lane < len(self.rows_per_lane):
+            raise LookupError(f"lane {lane} does not exist: the pass has {len(self.rows_per_lane)} lane(s)")
+        rows = self.logits[self.starts[lane]:self.starts[lane + 1]].float()
+        return rows[0] if len(rows) == 1 else rows
+
+    def _check(self, channel: int) -> int:
+        if channel not in self.owned:
+            raise LookupError(f"channel {channel} does not exist (never created by this inferlet, or freed)")
+        return channel
+
+    def take(self, channel: int) -> torch.Tensor:
+        try:
+            return self.channels.take(self._check(channel))
+        except ChannelError as e:
+            raise LookupError(str(e)) from None
+
+    def put(self, channel: int, value: torch.Tensor) -> None:
+        try:
+            self.channels.put(self._check(channel), value)
+        except ChannelError as e:
+            raise LookupError(str(e)) from None
+
+    def indptr(self) -> torch.Tensor:
+        return torch.tensor(self.starts, dtype=torch.int32)
+
+
+def _wire(values: list[torch.Tensor]) -> list[Any]:
+    return [v.tolist() for v in values]
+
+
+def program_epilogue(program: Program, rows_per_lane: list[int], channels: ChannelStore,
+                     owned: set[int]) -> Epilogue:
+    """Run `program` on a pass's read-out logits; returns its outputs as lists/numbers."""
+    def run(logits: torch.Tensor) -> list[Any]:
+        return _wire(program.run(PassEnv(logits, rows_per_lane, channels, owned)))
+    return _guarded(f"program {program.hash[:12]}", run)
+
+
+def prologue_runner(program: Program, channels: ChannelStore, owned: set[int]) -> Callable[[], None]:
+    """Run `program` before a pass (channels only: there are no model outputs yet)."""
+    def run() -> None:
+        program.run(PassEnv(None, [], channels, owned))
+    return run

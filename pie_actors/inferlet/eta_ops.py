@@ -1,0 +1,297 @@
+"""The `ws.*`, `eta.*` and `chan.*` host operations: working sets, passes, programs and channels.
+
+A mixin of InferletHost (runtime.py), which provides the engine connection (`client`, on the loop
+thread `loop`), `_wait` for blocking calls, and `futures` for the guest's asynchronous results.
+
+- Working-set handles are the run's own small integers, mapped to engine sequences.
+- Epilogues and prologues are eta programs: the guest's traced IR is registered with the engine
+  (compiled once per engine by IR hash) and named by the engine's program id.
+- Channel handles are the engine's channel ids. A channel the guest reads with `take_scalar` is
+  subscribed: the engine pushes every value put into it, so reading a token costs no request.
+- Passes are written to the engine in submission order (`loop.call_soon_threadsafe` is FIFO and
+  `EngineClient.start` writes without awaiting); a repeating pass (`run_ahead`) stays on the engine,
+  which runs it up to `window` times ahead of the reads the guest acknowledged.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+from collections import deque
+from typing import Any, Callable
+
+from .engine_client import EngineError
+from .host import HostOpError
+
+__all__ = ["EtaOps"]
+
+_LANE_KEYS = {"ws", "tokens", "chan", "positions", "slots", "kv_len", "mask", "fold", "readout"}
+
+
+class _HostChannel:
+    """The host's end of a subscribed channel: values pushed by the engine, and guest waiters."""
+
+    def __init__(self) -> None:
+        self.values: deque = deque()
+        self.waiting: deque[int] = deque()
+        self.error: str | None = None
+
+
+def _outputs(out: list) -> Any:
+    """An epilogue's result for the guest: None, its one output, or the list of them."""
+    return None if not out else out[0] if len(out) == 1 else out
+
+
+def _nothing(out: Any) -> None:
+    return None
+
+
+def _scalar(value: Any) -> Any:
+    while isinstance(value, list):
+        if len(value) != 1:
+            raise HostOpError(f"take_scalar read a value of {len(value)} elements; use take()")
+        value = value[0]
+    return value
+
+
+class EtaOps:
+    ETA_OPS: dict[str, str] = {
+        "ws.create": "_ws_create", "ws.fork": "_ws_fork", "ws.state": "_ws_state",
+        "ws.reserve": "_ws_reserve",
+        "eta.program": "_program", "eta.submit": "_submit", "eta.run_ahead": "_run_ahead",
+        "eta.run_ahead_ack": "_run_ahead_ack", "eta.run_ahead_stop": "_run_ahead_stop",
+        "chan.create": "_chan_create", "chan.put": "_chan_put", "chan.take": "_chan_take",
+        "chan.take_scalar": "_chan_take_scalar", "chan.free": "_chan_free",
+    }
+
+    def _init_eta(self) -> None:
+        self._ws: dict[int, int] = {}                     # working-set handle -> engine sequence
+        self._programs: dict[str, int] = {}               # IR text -> engine program id
+        self._puts: dict[int, set[int]] = {}              # program id -> channels it puts into
+        self._channels: dict[int, _HostChannel] = {}      # subscribed channel -> its host end
+        self._chan_lock = threading.Lock()
+        self._runs: dict[int, int] = {}                   # run-ahead handle -> its pass request id
+        self._run_ids = itertools.count(1)
+        self.passes = 0
+        self.client.on_push = self._on_push
+
+    # ---- working sets -------------------------------------------------------------------------
+
+    def _seq(self, handle) -> int:
+        seq = self._ws.get(handle) if type(handle) is int else None
+        if seq is None:
+            raise HostOpError(f"unknown working set {handle!r}")
+        return seq
+
+    def _new_ws(self, seq: int) -> int:
+        handle = len(self._ws) + 1
+        self._ws[handle] = seq
+        return handle
+
+    def _ws_create(self, args) -> int:
+        return self._new_ws(self._wait(self.client.create()))
+
+    def _ws_fork(self, handle) -> int:
+        return self._new_ws(self._wait(self.client.fork(self._seq(handle))))
+
+    def _ws_state(self, handle) -> dict:
+        return self._wait(self.client.state(self._seq(handle)))
+
+    def _ws_reserve(self, args) -> None:
+        handle, end = args
+        self._wait(self.client.reserve(self._seq(handle), end))
+
+    # ---- programs and passes ------------------------------------------------------------------
+
+    def _program(self, ir_text) -> int:
+        """Register a traced epilogue/prologue; errors in it are reported here, at trace time."""
+        if not isinstance(ir_text, str):
+            raise HostOpError("eta.program takes the IR as JSON text")
+        pid = self._programs.get(ir_text)
+        if pid is None:
+            pid = self._programs[ir_text] = self._wait(self.client.program(ir_text))
+            ops = json.loads(ir_text).get("ops", [])
+            self._puts[pid] = {op[1][0] for op in ops if op[0] == "put"}
+        return pid
+
+    def _pass_fields(self, args) -> dict[str, Any]:
+        """The engine's pass request fields for a guest pass {lanes, epilogue, prologue}."""
+        lanes_in = args.get("lanes") if isinstance(args, dict) else None
+        if not isinstance(lanes_in, list) or not lanes_in:
+            raise HostOpError("a pass needs at least one lane")
+        lanes = []
+        for i, lane in enumerate(lanes_in):
+            if not isinstance(lane, dict) or lane.keys() - _LANE_KEYS:
+                raise HostOpError(f"lane {i}: unknown fields {sorted(set(lane) - _LANE_KEYS)}")
+            spec = {k: v for k, v in lane.items() if k not in ("ws", "chan")}
+            spec["seq"] = self._seq(lane.get("ws"))
+            if lane.get("chan") is not None:
+                spec["tokens_from"] = lane["chan"]
+            lanes.append(spec)
+        fields: dict[str, Any] = {"lanes": lanes}
+        pid = args.get("epilogue")
+        fields["epilogue"] = {"kind": "argmax"} if pid is None else {"kind": "program", "id": pid}
+        if args.get("prologue") is not None:
+            fields["prologue"] = args["prologue"]
+        return fields
+
+    def _submit(self, args) -> int:
+        """Queue a pass; returns the future id of its epilogue's result (None without one)."""
+        fields = self._pass_fields(args)
+        has_epilogue = args.get("epilogue") is not None
+        fid = self.futures.new()
+        self.passes += 1
+
+        def start() -> None:
+            try:
+                _, fut = self.client.start("pass", **fields)
+            except EngineError as e:
+                self._complete(fid, error=f"{e.type}: {e.message}")
+                return
+            fut.add_done_callback(lambda f: self._pass_done(fid, f, _outputs if has_epilogue else _nothing))
+        self.loop.call_soon_threadsafe(start)
+        return fid
+
+    def _pass_done(self, fid: int, fut, value: Callable[[Any], Any]) -> None:
+        """Complete the guest's future `fid` with `value(result)` of an engine pass request."""
+        if fut.cancelled():
+            self._complete(fid, error="the pass was cancelled")
+        elif fut.exception() is not None:
+            e = fut.exception()
+            self._complete(fid, error=f"{e.type}: {e.message}" if isinstance(e, EngineError) else str(e))
+        else:
+            self._complete(fid, value=value(fut.result()))
+
+    # ---- run-ahead ----------------------------------------------------------------------------
+
+    def _run_ahead(self, args) -> dict[str, int]:
+        """Start a repeating pass: {"run": handle, "done": future id of the runs kept}."""
+        fields = self._pass_fields(args)
+        budget, window = args.get("budget"), args.get("window")
+        if type(budget) is not int or type(window) is not int or budget < 1 or window < 1:
+            raise HostOpError("run_ahead needs a positive integer budget and window")
+        fields["repeat"] = {"budget": budget, "window": window}
+        puts = self._puts.get(args.get("epilogue"), set())
+        run, fid = next(self._run_ids), self.futures.new()
+        self.passes += 1
+
+        def done(fut) -> None:
+            self._runs.pop(run, None)
+            with self._chan_lock:                 # values of runs past the stop were never read
+                for cid in puts:
+                    if cid in self._channels:
+                        self._channels[cid].values.clear()
+            self._pass_done(fid, fut, int)
+
+        def start() -> None:
+            try:
+                self._runs[run], fut = self.client.start("pass", **fields)
+            except EngineError as e:
+                self._complete(fid, error=f"{e.type}: {e.message}")
+                return
+            fut.add_done_callback(done)
+        self.loop.call_soon_threadsafe(start)
+        return {"run": run, "done": fid}
+
+    def _run_ahead_ack(self, args) -> None:
+        """The guest read `read` tokens: the engine may run further ahead (no reply awaited)."""
+        run, read = args
+        self.loop.call_soon_threadsafe(self._tell_run, run, "repeat_ack", {"read": read})
+
+    def _run_ahead_stop(self, args) -> None:
+        """Stop the run-ahead; runs after the first `keep` are cut off the working sets."""
+        run, keep = args
+        self.loop.call_soon_threadsafe(self._tell_run, run, "repeat_stop", {"keep": keep})
+
+    def _tell_run(self, run: int, op: str, fields: dict) -> None:
+        # loop thread; FIFO after the run's start. A run that ended already needs nothing.
+        pass_id = self._runs.get(run)
+        if pass_id is None:
+            return
+        try:
+            _, fut = self.client.start(op, **{"pass": pass_id, **fields})
+        except EngineError:
+            return
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())   # the run may end meanwhile
+
+    # ---- channels -----------------------------------------------------------------------------
+
+    def _chan_create(self, args) -> int:
+        if not isinstance(args, dict):
+            raise HostOpError("chan.create takes {shape, dtype, capacity, values}")
+        return self._wait(self.client.call("chan_create", shape=args.get("shape"), dtype=args.get("dtype"),
+                                           capacity=args.get("capacity", 1), values=args.get("values")))
+
+    def _chan_put(self, args) -> None:
+        cid, value = args
+        if cid in self._channels:
+            raise HostOpError(f"channel {cid} is read by the host (take_scalar); the host cannot put into it")
+        self._wait(self.client.call("chan_put", chan=cid, value=value))
+
+    def _chan_take(self, cid) -> Any:
+        with self._chan_lock:
+            chan = self._channels.get(cid)
+            if chan is not None:
+                if chan.error is not None:
+                    raise HostOpError(chan.error)
+                if not chan.values:
+                    raise HostOpError(f"channel {cid} is empty (await take_scalar() waits for a value)")
+                return chan.values.popleft()
+        return self._wait(self.client.call("chan_take", chan=cid))
+
+    def _chan_take_scalar(self, cid) -> int:
+        """A future of the channel's next value (the channel is subscribed on first use)."""
+        fid = self.futures.new()
+        with self._chan_lock:
+            chan = self._channels.get(cid)
+            fresh = chan is None
+            if fresh:
+                chan = self._channels[cid] = _HostChannel()
+            chan.waiting.append(fid)
+            ready = self._drain(chan)
+        if fresh:
+            try:
+                self._wait(self.client.call("chan_subscribe", chan=cid))
+            except HostOpError:
+                with self._chan_lock:
+                    del self._channels[cid]
+                raise
+        self._settle(ready)
+        return fid
+
+    @staticmethod
+    def _drain(chan: _HostChannel) -> list[tuple[int, Any, str | None]]:
+        """Pair waiting futures with values (or the channel's error); call with the lock held."""
+        ready = []
+        while chan.waiting and (chan.values or chan.error is not None):
+            fid = chan.waiting.popleft()
+            ready.append((fid, None, chan.error) if chan.error is not None else (fid, chan.values.popleft(), None))
+        return ready
+
+    def _settle(self, ready: list[tuple[int, Any, str | None]]) -> None:
+        for fid, value, error in ready:
+            if error is not None:
+                self._complete(fid, error=error)
+            else:
+                try:
+                    self._complete(fid, value=_scalar(value))
+                except HostOpError as e:
+                    self._complete(fid, error=str(e))
+
+    def _on_push(self, message: dict) -> None:
+        """An engine push (loop thread): a value put into a subscribed channel, or its poisoning."""
+        with self._chan_lock:
+            chan = self._channels.get(message.get("chan"))
+            if chan is None:
+                return
+            if "error" in message:
+                chan.error = f"channel {message['chan']} is poisoned by a failed pass: {message['error']}"
+            else:
+                chan.values.append(message.get("value"))
+            ready = self._drain(chan)
+        self._settle(ready)
+
+    def _chan_free(self, cid) -> None:
+        with self._chan_lock:
+            self._channels.pop(cid, None)
+        self._wait(self.client.call("chan_free", chan=cid))

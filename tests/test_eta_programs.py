@@ -1,0 +1,215 @@
+"""The eta surface end to end (sandbox -> host -> engine): compiled epilogues, channels between host
+and device and between passes, run-ahead decoding, and bad programs failing cleanly."""
+from __future__ import annotations
+
+import pytest
+
+from pie_actors.inferlet import InferletError
+from pie_actors.inferlet.runtime import RUN_AHEAD_WINDOW
+from tests.test_inferlet_programs import referenced, run, sandbox, served, settle  # noqa: F401 (fixtures)
+
+PROMPT = "The capital of France is"
+
+# One pass per token: the host waits for each token before submitting the next pass.
+PER_TOKEN = """
+from inferlet import chat, model
+from inferlet.eta import ForwardPass, Pipeline, StateGeometry, WorkingSet, intrinsics, reduce_argmax
+
+async def main(input):
+    tokens = chat.prefix() + model.encode(input["prompt"])
+    ws, pipe = WorkingSet(), Pipeline()
+    done, out = 0, []
+    for _ in range(input["n"]):
+        fwd = ForwardPass()
+        fwd.embed(tokens[done:])
+        fwd.state([ws], StateGeometry.folding())
+        token = fwd.epilogue(lambda: reduce_argmax(intrinsics.output(0, "logits")))
+        pipe.submit(fwd)
+        done = len(tokens)
+        tokens.append(await token)
+        out.append(tokens[-1])
+    return {"tokens": out, "folded": ws.folded()}
+"""
+
+# The loop of the documents' "A loop that stays on the device": the epilogue feeds the next pass.
+RUN_AHEAD = """
+from inferlet import chat, model
+from inferlet.eta import (Channel, ForwardPass, Pipeline, StateGeometry, WorkingSet, dtype, intrinsics,
+                          reduce_argmax, reshape)
+
+async def main(input):
+    prompt = chat.prefix() + model.encode(input["prompt"])
+    ws, pipe = WorkingSet(), Pipeline()
+    first = ForwardPass()
+    first.embed(prompt)
+    first.state([ws], StateGeometry.folding())
+    token0 = first.epilogue(lambda: reduce_argmax(intrinsics.output(0, "logits")))
+    pipe.submit(first)
+    tokens = [await token0]
+
+    token_in = Channel.from_([tokens[0]], dtype.i32)
+    token_out = Channel([1], dtype.i32).capacity(model.channel_capacity())
+    fwd = ForwardPass()
+    fwd.embed(token_in, Channel.from_([0, 1], dtype.u32))
+    fwd.state([ws], StateGeometry.folding())
+
+    @fwd.epilogue
+    def _():
+        token = reshape(reduce_argmax(intrinsics.output(0, "logits")), [1])
+        token_in.put(token)
+        token_out.put(token)
+
+    async def on_token():
+        tokens.append(await token_out.take_scalar())
+        return len(tokens) < input["n"]
+
+    kept = await pipe.run_ahead(fwd, input["budget"], on_token)
+    return {"tokens": tokens, "kept": kept, "folded": ws.folded(), "prompt": len(prompt),
+            "next": token_in.take()}
+"""
+
+
+def _run_counting(served, sandbox, source, input):
+    """Run and count the requests the host sent to the engine (round trips started)."""
+    hosts = []
+    out = run(served, sandbox, source, input, on_start=hosts.append)
+    return out, hosts[0].client.requests
+
+
+def test_run_ahead_decodes_the_per_token_tokens_with_a_request_per_window(served, sandbox):
+    engine, server = served
+    start = referenced(server)
+    n = 40
+    want = engine.generate([engine.tokenizer.encode(PROMPT)], n, ignore_eos=True)[0]
+    per_token, per_token_requests = _run_counting(served, sandbox, PER_TOKEN, {"prompt": PROMPT, "n": n})
+    ahead, ahead_requests = _run_counting(served, sandbox, RUN_AHEAD, {"prompt": PROMPT, "n": n, "budget": 100})
+    assert per_token["tokens"] == want and ahead["tokens"] == want
+    # the runs after the last token read were cut off: the working set is what per-token decoding left
+    assert ahead["kept"] == n - 1 and ahead["folded"] == per_token["folded"] == ahead["prompt"] + n - 1
+    assert ahead["next"] == [want[-1]]          # and the input channel holds the last token read
+    # requests per extra token: decoding n more tokens costs n requests one pass at a time, and one
+    # per window (the host telling the engine how far it has read) with run-ahead
+    _, per_token_more = _run_counting(served, sandbox, PER_TOKEN, {"prompt": PROMPT, "n": 2 * n})
+    _, ahead_more = _run_counting(served, sandbox, RUN_AHEAD, {"prompt": PROMPT, "n": 2 * n, "budget": 200})
+    assert per_token_more - per_token_requests == n
+    assert ahead_more - ahead_requests <= n // RUN_AHEAD_WINDOW, (ahead_requests, ahead_more)
+    settle(engine, server, start)
+
+
+def test_run_ahead_ends_at_its_budget(served, sandbox):
+    engine, _ = served
+    out = run(served, sandbox, RUN_AHEAD, {"prompt": PROMPT, "n": 1000, "budget": 5})
+    want = engine.generate([engine.tokenizer.encode(PROMPT)], 6, ignore_eos=True)[0]
+    assert out["tokens"] == want and out["kept"] == 5
+
+
+SAMPLER = """
+from inferlet import chat, model
+from inferlet.eta import (Channel, ForwardPass, Pipeline, StateGeometry, WorkingSet, broadcast, dtype, ge,
+                          gumbel_max, intrinsics, reduce_max, select, softmax)
+
+def top_a(logits, vocab, a, rng):
+    probs = softmax(logits)
+    p_max = reduce_max(probs)
+    keep = ge(probs, broadcast(a * p_max * p_max, [vocab]))
+    masked = select(keep, logits, broadcast(float("-inf"), [vocab]))
+    return gumbel_max(masked, rng)
+
+async def main(input):
+    tokens = chat.prefix() + model.encode(input["prompt"])
+    vocab = model.output_vocab_size()
+    rng = Channel([1], dtype.i64).capacity(64)
+    ws, pipe = WorkingSet(), Pipeline()
+    done, out = 0, []
+    for i in range(input["n"]):
+        rng.put([input["seed"] * 1000 + i])              # host -> device
+        fwd = ForwardPass()
+        fwd.embed(tokens[done:])
+        fwd.state([ws], StateGeometry.folding())
+        if input["a"] is None:
+            token = fwd.epilogue(lambda: gumbel_max(intrinsics.output(0, "logits") / 0.7, rng.take()))
+        else:
+            token = fwd.epilogue(lambda: top_a(intrinsics.output(0, "logits"), vocab, input["a"], rng.take()))
+        pipe.submit(fwd)
+        done = len(tokens)
+        tokens.append(await token)
+        out.append(tokens[-1])
+    return {"tokens": out}
+"""
+
+
+@pytest.mark.parametrize("a", [None, 0.2], ids=["temperature", "top-a"])
+def test_seeded_sampling_is_reproducible_and_seed_dependent(served, sandbox, a):
+    runs = {seed: run(served, sandbox, SAMPLER, {"prompt": "Once upon a time", "n": 12, "seed": seed, "a": a})
+            for seed in (1, 1, 2)}
+    again = run(served, sandbox, SAMPLER, {"prompt": "Once upon a time", "n": 12, "seed": 1, "a": a})
+    assert again == runs[1]
+    assert runs[1] != runs[2]
+    stats = served[1].stats()["programs"]
+    assert stats["cache_hits"] > 0       # the same IR from another run compiles once per engine
+
+
+POISON = """
+from inferlet import chat, model
+from inferlet.eta import Channel, ForwardPass, Pipeline, WorkingSet, dtype, intrinsics, reduce_argmax, reshape
+
+async def main(input):
+    ws, pipe = WorkingSet(), Pipeline()
+    empty = Channel([1], dtype.i32)
+    out = Channel([1], dtype.i32)
+    fwd = ForwardPass()
+    fwd.embed(chat.prefix() + model.encode("Hello"))
+    fwd.state([ws])
+
+    @fwd.epilogue
+    def _():
+        out.put(reshape(reduce_argmax(intrinsics.output(0, "logits")), [1]) + empty.take())
+
+    pipe.submit(fwd)
+    try:
+        await out.take_scalar()
+    except Exception as e:
+        return {"error": str(e), "folded": ws.folded()}
+    return {"error": None}
+"""
+
+
+def test_a_failed_pass_poisons_its_channels_and_the_waiting_host_sees_why(served, sandbox):
+    engine, server = served
+    start = referenced(server)
+    out = run(served, sandbox, POISON, {})
+    assert "poisoned" in out["error"] and "is empty" in out["error"], out
+    assert out["folded"] == 0                 # the failed pass's rows were rolled back
+    settle(engine, server, start)
+
+
+@pytest.mark.parametrize("body, message", [
+    ("pipe.close()\n    pipe.submit(fwd)", "submit on a closed pipeline"),
+    ("fwd.media(0, [])", "text-only"),
+    ("fwd.switch(0, 'diffusion', 1)", "no switch 'diffusion'"),
+    ("fwd.input(0, 'image', Channel([1]))", "no extra input 'image'"),
+    ("fwd.embed(Channel.from_([1.5, 2.0], dtype.f32))\n"
+     "    token = fwd.epilogue(lambda: reduce_argmax(intrinsics.output(0, 'logits')))\n"
+     "    pipe.submit(fwd)\n    await token", "holds torch.float32 values, not token ids"),
+    ("Channel([1], dtype.i32).take()", "is empty"),
+    ("Channel([1], 'complex')._h()", "unknown channel dtype 'complex'"),
+])
+def test_bad_programs_get_clear_errors(served, sandbox, body, message):
+    engine, server = served
+    start = referenced(server)
+    source = f"""
+from inferlet import model
+from inferlet.eta import Channel, ForwardPass, Pipeline, WorkingSet, dtype, intrinsics, reduce_argmax
+
+async def main(input):
+    ws, pipe = WorkingSet(), Pipeline()
+    fwd = ForwardPass()
+    fwd.embed(model.encode("Hi"))
+    fwd.state([ws])
+    {body}
+    return {{}}
+"""
+    with pytest.raises(InferletError) as info:
+        run(served, sandbox, source, {})
+    assert message in info.value.message, info.value.message
+    settle(engine, server, start)
