@@ -219,3 +219,22 @@ def test_explicit_geometry_matches_folding(engine):
     torch.testing.assert_close(got.result(), want.result(), atol=1e-4, rtol=1e-4)
     assert engine.kv.folded(s2) == n
     engine.free(s1), engine.free(s2)
+
+
+def test_a_failing_adapter_fails_only_its_pass(engine):
+    """Adapter code runs inside the model: its pass is batched alone, so its failure is its own."""
+    seq = engine.create_sequence()
+    wrong_shape = lambda x, y: y[:, :3]                 # noqa: E731
+    err = _run_with_good_neighbour(engine, PassRequest([Lane(seq, [1, 2])], ARGMAX,
+                                                       adapters=[("down", 1, wrong_shape)]))
+    assert isinstance(err, ValueError) and "adapter at 'down' returned shape [2, 3]" in str(err)
+    assert engine.kv.length(seq) == 0
+    engine.free(seq)
+
+
+def test_adapter_sites():
+    from pie_actors.gpu.adapters import parse_site
+    assert parse_site("o", 30) == ("o", None) and parse_site("layers.29.q", 30) == ("q", 29)
+    for bad in ("layers.30.q", "lm_head", "layers.x.q", 3):
+        with pytest.raises(ValueError, match="unknown adapter site"):
+            parse_site(bad, 30)

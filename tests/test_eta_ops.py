@@ -227,6 +227,21 @@ def test_channels_keep_order():
     assert [t.item() for t in env.channels[0]] == [100]
 
 
+@covers("arg")
+def test_adapter_arguments_are_the_projection_rows():
+    """A LoRA-style adapter f(x, y) = y + (x @ A) @ B, as fwd.adapter traces it."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(5, 8, generator=g), torch.randn(5, 6, generator=g)
+    a, b = torch.randn(8, 2, generator=g), torch.randn(2, 6, generator=g)
+    ir = {"ops": [["arg", [0]], ["arg", [1]], ["constant", [a.tolist(), "f32"]], ["constant", [b.tolist(), "f32"]],
+                  ["matmul", [{"t": 0}, {"t": 2}]], ["matmul", [{"t": 4}, {"t": 3}]],
+                  ["add", [{"t": 1}, {"t": 5}]]], "outputs": [6]}
+    (out,) = compile_program(ir, device=CPU).run(TensorEnv({}, args=(x, y)))
+    close(out, y + x @ a @ b)
+    with pytest.raises(EtaError, match="argument 1 does not exist"):
+        compile_program(ir, device=CPU).run(TensorEnv({}, args=(x,)))
+
+
 # ---------------------------------------------------------------------------------------------
 # reductions and distributions
 

@@ -213,3 +213,57 @@ async def main(input):
         run(served, sandbox, source, {})
     assert message in info.value.message, info.value.message
     settle(engine, server, start)
+
+
+LORA = """
+from inferlet import chat, model
+from inferlet.eta import ForwardPass, Pipeline, StateGeometry, WorkingSet, add, constant, intrinsics, matmul, reduce_argmax
+
+async def main(input):
+    tokens = chat.prefix() + model.encode(input["prompt"])
+    ws, pipe = WorkingSet(), Pipeline()
+    done = 0
+    for _ in range(input["n"]):
+        fwd = ForwardPass()
+        fwd.embed(tokens[done:])
+        fwd.state([ws], StateGeometry.folding())
+        if input.get("lora"):
+            a, b = input["lora"]
+            fwd.adapter(input["site"], lambda x, y: add(y, matmul(matmul(x, constant(a, "f32")), constant(b, "f32"))))
+        token = fwd.epilogue(lambda: reduce_argmax(intrinsics.output(0, "logits")))
+        pipe.submit(fwd)
+        done = len(tokens)
+        tokens.append(await token)
+    return {"tokens": tokens[-input["n"]:]}
+"""
+
+
+def test_a_lora_adapter_equals_the_merged_weights_and_stays_private(served, sandbox, default_model_dir):
+    import torch
+
+    from tests.engine_helpers import make_engine
+    engine, server = served
+    start = referenced(server)
+    g = torch.Generator().manual_seed(0)
+    hidden = engine.cfg.hidden_size
+    a, b = torch.randn(hidden, 4, generator=g) * 0.2, torch.randn(4, hidden, generator=g) * 0.2
+    base = {"prompt": PROMPT, "n": 8, "site": "o"}
+    plain = run(served, sandbox, LORA, base)["tokens"]
+    adapted = run(served, sandbox, LORA, {**base, "lora": [a.tolist(), b.tolist()]})["tokens"]
+    zero = run(served, sandbox, LORA, {**base, "lora": [a.tolist(), (b * 0).tolist()]})["tokens"]
+    assert zero == plain and adapted != plain
+    # the same low-rank update merged into every layer's o_proj weight
+    merged = make_engine(default_model_dir)
+    with torch.no_grad():
+        for layer in merged.worker.model.layers:
+            layer.self_attn.o_proj.weight += (a @ b).T
+    want = merged.generate([engine.tokenizer.encode(PROMPT)], 8, ignore_eos=True)[0]
+    merged.close()
+    assert adapted == want
+    # the adapted run's KV did not enter the prefix cache: the plain prompt still gives plain tokens
+    assert run(served, sandbox, LORA, base)["tokens"] == plain
+    with pytest.raises(InferletError, match="unknown adapter site 'nope'"):
+        run(served, sandbox, LORA, {**base, "site": "nope", "lora": [a.tolist(), b.tolist()]})
+    with pytest.raises(InferletError, match=r"op 6 \(add\) on shapes \[5, 576\], \[5, 7\]"):
+        run(served, sandbox, LORA, {**base, "lora": [a.tolist(), b[:, :7].tolist()]})
+    settle(engine, server, start)

@@ -18,6 +18,7 @@ import torch
 
 from ..config import load_config, pick_device, pick_dtype
 from ..kvstore import KVStore, KVStoreError, Mark
+from .adapters import AdapterFn, AdapterUse
 from .channels import ChannelError, ChannelStore
 from .eta import EtaError, ProgramCache
 from ..model_store import resolve_model
@@ -83,6 +84,7 @@ class PassRequest:
     prologue: Callable[[], None] | None = None   # runs when the pass is planned, before its inputs are taken
     channels: list[int] = field(default_factory=list)   # channels it uses: poisoned if it fails
     repeat: Repeat | None = None
+    adapters: list[tuple[str, int | None, AdapterFn]] = field(default_factory=list)   # (site, layer, f)
 
 
 @dataclass
@@ -221,7 +223,11 @@ class Engine:
             req = self._pending.popleft()
             seqs = [lane.seq for lane in req.lanes]
             n_tokens = sum(len(lane.tokens) for lane in req.lanes)
-            if busy.intersection(seqs) or (planned and len(plan.input_ids) + n_tokens > self.max_batch_tokens):
+            # A pass with adapters runs in a batch of its own: its adapter code runs inside the
+            # model, where a failure fails the whole batch.
+            full = len(plan.input_ids) + n_tokens > self.max_batch_tokens
+            alone = bool(req.adapters or plan.adapters)
+            if busy.intersection(seqs) or (planned and (alone or full)):
                 waiting.append(req)        # next batch: keeps each sequence's passes in order
                 busy.update(seqs)
                 continue
@@ -253,15 +259,20 @@ class Engine:
         lanes = [self._take_tokens(lane) for lane in req.lanes]
         for i, lane in enumerate(lanes):
             self._validate(i, lane)
+        if req.adapters and self._remote:
+            raise PassError("adapters need tensor-parallel size 1")
         undo: list[Mark] = []
         mark = (len(plan.input_ids), len(plan.lanes), len(plan.readout))
         try:
-            commits = [self._plan_lane(lane, plan, undo) for lane in lanes]
+            # adapted KV is not the model's: never shared through the prefix index
+            commits = [self._plan_lane(lane, plan, undo, shareable=not req.adapters) for lane in lanes]
         except (PassError, KVStoreError):
             self._rollback(undo)
             del plan.input_ids[mark[0]:], plan.positions[mark[0]:], plan.write_slots[mark[0]:]
             del plan.lanes[mark[1]:], plan.readout[mark[2]:]
             raise
+        plan.adapters += [AdapterUse(site, layer, mark[0], len(plan.input_ids), fn)
+                          for site, layer, fn in req.adapters]
         return _Planned(req, slice(mark[2], len(plan.readout)), commits, undo)
 
     def _take_tokens(self, lane: Lane) -> Lane:
@@ -298,9 +309,10 @@ class Engine:
         if lane.readout is not None and not all(0 <= r < n for r in lane.readout):
             raise PassError(f"lane {i}: readout rows {lane.readout} outside the lane's {n} rows")
 
-    def _plan_lane(self, lane: Lane, plan: BatchPlan, undo: list[Mark]) -> tuple[int, int | None]:
+    def _plan_lane(self, lane: Lane, plan: BatchPlan, undo: list[Mark], shareable: bool = True
+                   ) -> tuple[int, int | None]:
         kv, seq, n = self.kv, lane.seq, len(lane.tokens)
-        canonical = lane.positions is None and lane.mask is None
+        canonical = shareable and lane.positions is None and lane.mask is None
         undo.append(kv.mark(seq))
         if lane.slots is None:
             appended = kv.append(seq, lane.tokens, canonical=canonical,

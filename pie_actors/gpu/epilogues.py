@@ -15,7 +15,8 @@ from .. import protocol
 from .channels import ChannelError, ChannelStore
 from .eta import EtaError, Program
 
-__all__ = ["EpilogueError", "PassEnv", "program_epilogue", "simple_epilogue", "SIMPLE"]
+__all__ = ["EpilogueError", "PassEnv", "program_epilogue", "prologue_runner", "adapter_fn", "simple_epilogue",
+           "SIMPLE"]
 
 Epilogue = Callable[[torch.Tensor], Any]
 
@@ -55,9 +56,10 @@ class PassEnv:
     """The eta Env of one pass: its logits split by lane, and the channels its connection owns."""
 
     def __init__(self, logits: torch.Tensor | None, rows_per_lane: list[int], channels: ChannelStore,
-                 owned: set[int]) -> None:
+                 owned: set[int], args: tuple[torch.Tensor, ...] = ()) -> None:
         self.logits, self.rows_per_lane = logits, rows_per_lane
         self.channels, self.owned = channels, owned
+        self.args = args
         self.starts = [0]
         for n in rows_per_lane:
             self.starts.append(self.starts[-1] + n)
@@ -92,6 +94,11 @@ class PassEnv:
     def indptr(self) -> torch.Tensor:
         return torch.tensor(self.starts, dtype=torch.int32)
 
+    def arg(self, index: int) -> torch.Tensor:
+        if not index < len(self.args):
+            raise LookupError(f"argument {index} does not exist (only adapter functions f(x, y) have arguments)")
+        return self.args[index]
+
 
 def _wire(values: list[torch.Tensor]) -> list[Any]:
     return [v.tolist() for v in values]
@@ -103,6 +110,16 @@ def program_epilogue(program: Program, rows_per_lane: list[int], channels: Chann
     def run(logits: torch.Tensor) -> list[Any]:
         return _wire(program.run(PassEnv(logits, rows_per_lane, channels, owned)))
     return _guarded(f"program {program.hash[:12]}", run)
+
+
+def adapter_fn(program: Program, channels: ChannelStore, owned: set[int]) -> Callable:
+    """f(x, y) -> new y at a projection site (it runs inside the model, once per layer it applies to)."""
+    def run(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        outputs = program.run(PassEnv(None, [], channels, owned, (x.float(), y.float())))
+        if len(outputs) != 1:
+            raise EtaError(f"an adapter returns one tensor (the new projection output), not {len(outputs)}")
+        return outputs[0]
+    return run
 
 
 def prologue_runner(program: Program, channels: ChannelStore, owned: set[int]) -> Callable[[], None]:

@@ -24,7 +24,8 @@ from ..config import load_config
 from ..kvstore import KVStoreError, UnknownSequence
 from .channels import ChannelError
 from .engine import Engine, Epilogue, Lane, PassError, PassRequest, Repeat
-from .epilogues import SIMPLE, EpilogueError, program_epilogue, prologue_runner, simple_epilogue
+from .adapters import parse_site
+from .epilogues import SIMPLE, EpilogueError, adapter_fn, program_epilogue, prologue_runner, simple_epilogue
 from .eta import EtaError, Program
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ def _optional(check: Callable[[Any, str], Any], value: Any, what: str) -> Any:
 _FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "info": ((), ()), "create": ((), ()), "stats": ((), ()), "fork": (("seq",), ()),
     "free": (("seq",), ()), "seq_state": (("seq",), ()), "reserve": (("seq", "end"), ()),
-    "pass": (("lanes", "epilogue"), ("prologue", "repeat")),
+    "pass": (("lanes", "epilogue"), ("prologue", "repeat", "adapters")),
     "program": (("ir",), ()),
     "chan_create": (("shape", "dtype"), ("capacity", "values")), "chan_put": (("chan", "value"), ()),
     "chan_take": (("chan",), ()), "chan_subscribe": (("chan",), ()), "chan_free": (("chan",), ()),
@@ -286,6 +287,10 @@ class _Connection:
             request.prologue = prologue_runner(prologue, self.engine.channels, self.channels)
             used |= _channels_of(prologue)
         request.channels = sorted(used)
+        for site, pid in self._adapters(msg.get("adapters")):
+            program = self._program(pid)
+            request.adapters.append((*site, adapter_fn(program, self.engine.channels, self.channels)))
+            used |= _channels_of(program)
         if msg.get("repeat") is not None:
             request.repeat = self._repeat(msg["repeat"])
             self.repeats[msg["id"]] = request
@@ -302,6 +307,16 @@ class _Connection:
         if type(pid) is not int or not 0 <= pid < len(self.programs):
             raise BadRequest(f"unknown program {pid!r} (register it with the 'program' op)")
         return self.programs[pid]
+
+    def _adapters(self, spec: Any) -> list[tuple[tuple[str, int | None], Any]]:
+        if spec is None:
+            return []
+        if not isinstance(spec, list) or not all(isinstance(a, list) and len(a) == 2 for a in spec):
+            raise BadRequest("adapters must be a list of [site, program id] pairs")
+        try:
+            return [(parse_site(site, self.engine.cfg.num_layers), pid) for site, pid in spec]
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
 
     @staticmethod
     def _repeat(spec: Any) -> Repeat:

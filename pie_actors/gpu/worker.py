@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from .adapters import AdapterUse
 from .attention import AttentionMetadata, LanePlan
 from .compiled_decode import CompiledDecode
 from .loader import load_checkpoint
@@ -28,6 +29,7 @@ class BatchPlan:
     lanes: list[LanePlan]
     readout: list[int]                     # batch rows whose logits are returned
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) pages to copy first
+    adapters: list[AdapterUse] = field(default_factory=list)      # (tensor-parallel size 1 only)
 
 
 def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype, tp: int = 1) -> int:
@@ -70,14 +72,14 @@ class Worker:
             self._copy_pages(plan.copies)
         if not plan.input_ids:
             return torch.empty(0, self.cfg.vocab_size, device=self.device)
-        if (self.compiled and CompiledDecode.accepts(plan.lanes)
+        if (self.compiled and not plan.adapters and CompiledDecode.accepts(plan.lanes)
                 and plan.readout == list(range(len(plan.lanes)))):
             return self.compiled.run(plan.input_ids, plan.positions, plan.write_slots, plan.lanes)
         dev = self.device
         ids = torch.tensor(plan.input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(plan.positions, dtype=torch.long, device=dev)
         meta = AttentionMetadata.build(plan.lanes, plan.write_slots, self.page_size, dev)
-        hidden = self.model(ids, pos, self.kv_caches, meta)
+        hidden = self.model(ids, pos, self.kv_caches, meta, plan.adapters)
         rows = torch.tensor(plan.readout, dtype=torch.long, device=dev)
         return self.model.logits(hidden.index_select(0, rows))
 

@@ -133,6 +133,8 @@ class EtaOps:
         fields["epilogue"] = {"kind": "argmax"} if pid is None else {"kind": "program", "id": pid}
         if args.get("prologue") is not None:
             fields["prologue"] = args["prologue"]
+        if args.get("adapters"):
+            fields["adapters"] = args["adapters"]
         return fields
 
     def _submit(self, args) -> int:

@@ -40,6 +40,7 @@ reductions drop it, cumulative ops and masks keep it. Distributions compute in f
 | output | lane, name | model output of the lane's read-out rows: [vocab] for one row, [rows, vocab] for several; f32 |
 | take | channel | dequeue one value from the channel |
 | put | channel, x | enqueue x; produces no value |
+| arg | i | argument i of an adapter function f(x, y): 0 = the projection's input rows [rows, in], 1 = its output rows [rows, out] (as traced by fwd.adapter) |
 
 Seeds are integers: a number in the program, or a one-element integer tensor (taken from a
 channel, say). Noise is a counter-based hash of (seed, flat element index) - row*vocab + col for
@@ -298,6 +299,10 @@ def _indptr(env) -> torch.Tensor:
     return env.indptr()
 
 
+def _argument(env, index: int) -> torch.Tensor:
+    return env.arg(index)
+
+
 # ---------------------------------------------------------------------------------------------
 # the table
 
@@ -381,4 +386,5 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in [
     OpSpec("output", ("id", "name"), 2, _output, env=True),
     OpSpec("take", ("id",), 1, _take, env=True),
     OpSpec("put", ("id", _T), 2, _put, env=True),
+    OpSpec("arg", ("id",), 1, _argument, env=True),
 ]}

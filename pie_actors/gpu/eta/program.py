@@ -40,6 +40,9 @@ class Env(Protocol):
     def indptr(self) -> torch.Tensor:
         """Read-out row offsets per lane, i32 [lanes + 1]."""
 
+    def arg(self, index: int) -> torch.Tensor:
+        """Argument `index` of an adapter function (LookupError when there is none)."""
+
 
 class TensorEnv:
     """An Env over plain tensors: outputs by (lane, name) and channels as lists (front = next
@@ -47,10 +50,17 @@ class TensorEnv:
 
     def __init__(self, outputs: dict[tuple[int, str], torch.Tensor],
                  channels: dict[int, list[torch.Tensor]] | None = None,
-                 indptr: torch.Tensor | None = None) -> None:
+                 indptr: torch.Tensor | None = None, args: tuple[torch.Tensor, ...] = ()) -> None:
         self.outputs = outputs
         self.channels = {} if channels is None else channels
         self._indptr = indptr
+        self.args = args
+
+    def arg(self, index: int) -> torch.Tensor:
+        if not index < len(self.args):
+            raise LookupError(f"argument {index} does not exist: this program has {len(self.args)} "
+                              "(arguments are for adapter functions)")
+        return self.args[index]
 
     def output(self, lane: int, name: str) -> torch.Tensor:
         try:

@@ -6,15 +6,21 @@ slot (see attention.py). Linear layers are tensor-parallel (tp.py); with one ran
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from functools import partial
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
+from ..adapters import AdapterUse, adapt
 from ..attention import AttentionMetadata, paged_attention
 from ..tp import (Comm, MergedColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                   VocabParallelEmbedding)
 from .config import ModelConfig
+
+
+# (site, projection input, projection output) -> output: the adapters of one layer (adapters.py)
+Adapt = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -87,16 +93,20 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, adapt: Adapt | None = None
+                ) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        if adapt is not None:
+            q, k, v = adapt("q", x, q), adapt("k", x, k), adapt("v", x, v)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        o = paged_attention(q, k, v, kv[0], kv[1], meta)
-        return self.o_proj(o.flatten(1))
+        o = paged_attention(q, k, v, kv[0], kv[1], meta).flatten(1)
+        out = self.o_proj(o)
+        return out if adapt is None else adapt("o", o, out)
 
 
 class MLP(nn.Module):
@@ -106,9 +116,13 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, {"gate": n, "up": n}, False, comm)
         self.down_proj = RowParallelLinear(n, cfg.hidden_size, False, comm)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, adapt: Adapt | None = None) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(nn.functional.silu(gate) * up)
+        if adapt is not None:
+            gate, up = adapt("gate", x, gate), adapt("up", x, up)
+        h = nn.functional.silu(gate) * up
+        out = self.down_proj(h)
+        return out if adapt is None else adapt("down", h, out)
 
 
 class Block(nn.Module):
@@ -119,9 +133,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, comm)
 
-    def forward(self, x, rope, kv, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, rope, kv, meta, adapt: Adapt | None = None):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta, adapt)
+        return x + self.mlp(self.post_attention_layernorm(x), adapt)
 
 
 class LlamaModel(nn.Module):
@@ -144,11 +158,13 @@ class LlamaModel(nn.Module):
         self.rotary = Rotary(cfg)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                adapters: list[AdapterUse] | None = None) -> torch.Tensor:
+        """Hidden states of every row; `adapters` (fwd.adapter) change some projections of some rows."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv, meta)
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+            x = layer(x, rope, kv, meta, partial(adapt, adapters, i) if adapters else None)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

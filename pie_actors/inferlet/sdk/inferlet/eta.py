@@ -143,15 +143,16 @@ def _record(op: str, *args) -> Tensor:
     return Tensor(len(_tracing) - 1)
 
 
-def trace(f) -> dict:
-    """Trace `f()` into the IR {"ops": [...], "outputs": [...]}. `f` returns a tensor, a list
-    of tensors, or None (a function that only puts into channels)."""
+def trace(f, nargs: int = 0) -> dict:
+    """Trace `f(*args)` into the IR {"ops": [...], "outputs": [...]}; its `nargs` arguments are
+    placeholders (adapters: x and y). `f` returns a tensor, a list of tensors, or None (a
+    function that only puts into channels)."""
     global _tracing
     if _tracing is not None:
         raise RuntimeError("epilogues cannot be traced inside another trace")
     _tracing = []
     try:
-        out = f()
+        out = f(*[_record("arg", i) for i in range(nargs)])
         ops = _tracing
     finally:
         _tracing = None
@@ -300,12 +301,12 @@ def _trace_key(f):
     return code, values, defaults
 
 
-def _program(f) -> int:
+def _program(f, nargs: int = 0) -> int:
     """The engine's program id for the traced function `f` (traced and registered once)."""
     key = _trace_key(f)
     pid = _traced.get(key) if key is not None else None
     if pid is None:
-        ir = _dumps(trace(f))
+        ir = _dumps(trace(f, nargs))
         pid = _programs.get(ir)
         if pid is None:
             pid = _programs[ir] = _host.call("eta.program", ir)
@@ -351,6 +352,7 @@ class ForwardPass:
         self._mask: list | None = None
         self._epilogue: int | None = None
         self._prologue: int | None = None
+        self._adapters: list[list] = []
         self._result: _Result | None = None
         self._submitted = False
 
@@ -408,7 +410,13 @@ class ForwardPass:
         return self
 
     def adapter(self, site: str, f) -> "ForwardPass":
-        raise ValueError(f"adapters are not supported by this engine yet (site {site!r})")
+        """At projection `site` ("q", "k", "v", "o", "gate", "up", "down" in every layer, or
+        "layers.<i>.<site>"), replace this pass's projection output y by f(x, y), x being the
+        projection's input rows: f is traced like an epilogue (a LoRA adapter is
+        `lambda x, y: y + matmul(matmul(x, A), B)` with A, B from `constant`). Its KV is the
+        adapted model's, so it is never shared with other requests through the prefix cache."""
+        self._adapters.append([str(site), _program(f, 2)])
+        return self
 
     def prologue(self, f) -> "ForwardPass":
         """Device code run before the model pass (traced like an epilogue; its effects are
@@ -431,7 +439,8 @@ class ForwardPass:
 
     def _spec(self) -> dict:
         """The host's pass spec: lanes, epilogue and prologue program ids."""
-        return {"lanes": self._lanes(), "epilogue": self._epilogue, "prologue": self._prologue}
+        return {"lanes": self._lanes(), "epilogue": self._epilogue, "prologue": self._prologue,
+                "adapters": self._adapters}
 
     def _lanes(self) -> list[dict]:
         if self._tokens is None and self._channel is None:
