@@ -349,7 +349,7 @@ def _client_kill(args: argparse.Namespace) -> int:
 
 def build_client_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pie-client", description="talk to running inferlets")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("ps", help="list running inferlet processes").set_defaults(handler=_client_ps)
     send = sub.add_parser("send", help="send a message to a process's session.receive()")
     send.add_argument("process")
