@@ -87,6 +87,13 @@ def test_mask_accept_reject_terminate(compiler, tok):
     assert a_plus.accept_tokens(tok.encode("aa") + [min(stops)]) and a_plus.is_terminated()
 
 
+def test_ids_outside_the_vocabulary_are_refused(compiler, tok):
+    m = Matcher(compiler.regex("a+"))
+    for bad in ([-1], [compiler.vocab_size], [2**40], tok.encode("a") + [-5]):
+        assert m.accept_tokens(bad) is False
+    assert m.accept_tokens(tok.encode("aa")) and m.accept_tokens(tok.encode("a"))
+
+
 def test_fork_rollback_reset(compiler, tok):
     m = Matcher(compiler.ebnf(ARITHMETIC))
     assert m.accept_tokens(tok.encode("12+3"))

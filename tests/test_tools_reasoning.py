@@ -186,3 +186,16 @@ def test_text_stream_holds_back_split_characters(tokenizers):
     pieces = [stream.feed([t]) for t in tokens]
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
     assert len(tokens) > len(text.split())          # some characters really are split
+
+
+def test_decoders_refuse_ids_outside_the_vocabulary_and_go_on(tokenizers):
+    tok = tokenizers["smollm2"]
+    call = tok.encode('<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>')
+    tools, thinking = ToolCallDecoder(tok, "hermes"), ReasoningDecoder(tok, opened=True)
+    for bad in ([-1], [tok.vocab_size], call[:2] + [2**40]):
+        for decoder in (tools, thinking):
+            with pytest.raises(ValueError, match="out of range"):
+                decoder.feed(bad)
+    assert tools.feed(call) == [{"type": "start"}, {"type": "call", "name": "a", "arguments_json": "{}"}]
+    assert thinking.feed(tok.encode("x</think>")) == [{"type": "start"}, {"type": "delta", "text": "x"},
+                                                     {"type": "end", "text": "x"}]

@@ -129,6 +129,8 @@ class Matcher:
         tokens = list(tokens)
         if not tokens:
             return True
+        if any(not 0 <= t < self.grammar.compiler.vocab_size for t in tokens):
+            return False                # an id outside the vocabulary is never allowed
         stops = self.grammar.compiler.stop_tokens
         cut = next((i for i, t in enumerate(tokens) if t in stops), len(tokens))
         body, stop = tokens[:cut], tokens[cut:]

@@ -43,11 +43,12 @@ class ReasoningDecoder:
         return cls(tokenizer, opened=opened_at > closed_at, closed=closed_at > opened_at)
 
     def feed(self, tokens: list[int]) -> list[dict]:
+        text = self._text.feed(tokens)           # first: a bad id changes nothing
         events: list[dict] = []
         if self._announce:
             self._announce = False
             events.append({"type": "start"})
-        self._pending += self._text.feed(tokens)
+        self._pending += text
         if self._state == _BEFORE:
             self._before(events)
         if self._state == _INSIDE:

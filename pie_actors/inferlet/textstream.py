@@ -20,10 +20,17 @@ class TextStream:
         self._read = 0       # tokens whose text has been returned
 
     def feed(self, tokens: list[int]) -> str:
+        """The text `tokens` complete; a ValueError (an id out of the vocabulary) leaves the
+        stream as it was."""
+        n = len(self._tokens)
         self._tokens.extend(tokens)
         # decode a short window, not the whole history: (prefix..read) for context, then the new ids
         before = self.tok.decode(self._tokens[self._prefix:self._read])
-        after = self.tok.decode(self._tokens[self._prefix:])
+        try:
+            after = self.tok.decode(self._tokens[self._prefix:])
+        except ValueError:
+            del self._tokens[n:]
+            raise
         if after.endswith("\ufffd") or len(after) <= len(before):
             return ""
         self._prefix, self._read = self._read, len(self._tokens)
