@@ -12,6 +12,17 @@ columns are host milliseconds per token for mask / apply / accept.
 The second table is the cost an inferlet pays today for the same matcher work through host
 operations (JSON over the sandbox boundary): Matcher.mask() + accept_tokens() per token, and
 mask.unpack_mask in the guest.
+
+The third table is constrained decoding written as an inferlet, the mask reaching the device
+through a channel and applied in the epilogue (batch 1, one pass per token), in milliseconds per
+token by phase, against the same inferlet decoding as many tokens unconstrained:
+- "bool channel": the documented way, `Channel([vocab], dtype.bool).put(unpack_mask(m.mask(),
+  vocab))`, epilogue `masked_argmax(logits, chan.take())`;
+- "packed 16-bit": the same mask as 16-bit halves of the packed words in an i32 channel
+  ([vocab / 16] values instead of [vocab] bools), unpacked in the epilogue with eta ops (exact in
+  f32: a / 2^k, truncate, test the low bit): what packing before the boundary saves, with no
+  engine change.
+Both must choose the same tokens. `--parts` picks the tables to run.
 """
 from __future__ import annotations
 
@@ -61,6 +72,93 @@ async def main(input):
         t_mask, t_unpack, t_accept = t_mask + t1 - t0, t_unpack + t2 - t1, t_accept + t3 - t2
     return {"mask": t_mask, "unpack": t_unpack, "accept": t_accept}
 """
+
+# Constrained decoding as an inferlet with the mask applied on the device (see the docstring).
+DEVICE_LOOP = """
+import struct, time
+from inferlet import chat, model
+from inferlet.eta import (Channel, ForwardPass, Pipeline, StateGeometry, WorkingSet, cast, constant, dtype,
+                          intrinsics, masked_argmax, ne, reduce_argmax, reshape)
+from inferlet.grammar import Grammar, Matcher
+from inferlet.mask import unpack_mask
+
+POWERS = [float(1 << k) for k in range(16)]
+
+def unpack16(halves, n):
+    # bit k of 16-bit value j is token 16 j + k: floor(v / 2^k) is odd
+    shifted = cast(reshape(cast(halves, "f32"), [n, 1]) / reshape(constant(POWERS, "f32"), [1, 16]), "i32")
+    return reshape(ne(cast(shifted / 2, "i32") * 2, shifted), [n * 16])
+
+async def main(input):
+    mode, vocab = input["mode"], model.output_vocab_size()
+    words = (vocab + 31) // 32
+    assert words * 32 == vocab, "the 16-bit path here needs a vocabulary of whole words"
+    m = Matcher(Grammar.from_json_schema(input["schema"])) if mode != "none" else None
+    chan = Channel([vocab], dtype.bool) if mode == "bool" else Channel([2 * words], dtype.i32)
+    stops = set(chat.stop_tokens())
+    ws, pipe, out, feed = WorkingSet(), Pipeline(), [], input["prompt"]
+    t = dict.fromkeys(["mask", "unpack", "put", "pass", "accept"], 0.0)
+    start = None
+    for i in range(input["max"]):
+        if i == 1:
+            start = time.perf_counter()    # the prompt's pass is not timed
+        t0 = time.perf_counter()
+        if mode != "none":
+            packed = m.mask()
+        t1 = time.perf_counter()
+        if mode == "bool":
+            value = unpack_mask(packed, vocab)
+        elif mode == "packed16":
+            value = list(struct.unpack(f"<{2 * words}H", struct.pack(f"<{words}i", *packed)))
+        t2 = time.perf_counter()
+        if mode != "none":
+            chan.put(value)
+        t3 = time.perf_counter()
+        fwd = ForwardPass()
+        fwd.embed(feed)
+        fwd.state([ws], StateGeometry.folding())
+        if mode == "bool":
+            nxt = fwd.epilogue(lambda: masked_argmax(intrinsics.output(0, "logits"), chan.take()))
+        elif mode == "packed16":
+            nxt = fwd.epilogue(lambda: masked_argmax(intrinsics.output(0, "logits"),
+                                                     unpack16(chan.take(), 2 * words)))
+        else:
+            nxt = fwd.epilogue(lambda: reduce_argmax(intrinsics.output(0, "logits")))
+        pipe.submit(fwd)
+        token = await nxt
+        t4 = time.perf_counter()
+        if mode != "none":
+            assert m.accept_tokens([token]), token
+        t5 = time.perf_counter()
+        if i >= 1:
+            for key, a, b in zip(t, (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)):
+                t[key] += b - a
+        out.append(token)
+        feed = [token]
+        if mode != "none" and (token in stops or m.is_terminated()):
+            break
+    return {"tokens": out, "seconds": time.perf_counter() - start, "timed": len(out) - 1, **t}
+"""
+
+
+def device_path(address, prompt: list[int], repeats: int) -> list[tuple]:
+    """Rows (path, tokens, ms/token by phase..., total ms/token, ratio to unconstrained) of the
+    third table; the median run of `repeats` for each path."""
+    def median_run(mode: str, n: int) -> dict:
+        input = {"mode": mode, "schema": SCHEMA, "prompt": prompt, "max": n}
+        runs = [run_inferlet(DEVICE_LOOP, input, address) for _ in range(repeats + 1)][1:]   # 1st: warm-up
+        return sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
+
+    paths = {"bool channel": median_run("bool", MAX_TOKENS), "packed 16-bit": median_run("packed16", MAX_TOKENS)}
+    tokens = paths["bool channel"]["tokens"]
+    assert paths["packed 16-bit"]["tokens"] == tokens, "the two mask paths chose different tokens"
+    plain = median_run("none", len(tokens))
+    rows = []
+    for name, r in [*paths.items(), ("unconstrained", plain)]:
+        n = r["timed"]
+        rows.append((name, n, *(1000 * r[k] / n for k in ("mask", "unpack", "put", "pass", "accept")),
+                     1000 * r["seconds"] / n, r["seconds"] / n / (plain["seconds"] / plain["timed"])))
+    return rows
 
 
 def step(engine, seqs: list[int], inputs: list[list[int]], epilogue=None) -> list:
@@ -136,54 +234,72 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--parts", default="host,guest,device",
+                    help="tables to run: host (engine loop), guest (matcher host operations), device (mask "
+                         "through a channel, applied in the epilogue)")
     ap.add_argument("--out", help="append the tables, command line and date to this markdown file")
     ap.add_argument("--title", default="Grammar-constrained decoding vs unconstrained (issue 5)")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
 
     load_before = os.getloadavg()[0]
     server, address = serve_model(dtype=args.dtype)
     engine = server.engine
-    rows, guest = [], None
+    rows, guest, device = [], None, []
     try:
         tok = engine.tokenizer
         chat = ChatTokens(tok)
         stops = set(chat.stop_tokens())
         compiler = GrammarCompiler(tok, engine.cfg.vocab_size, chat.stop_tokens())
-        for batch in [int(b) for b in args.batches.split(",")]:
-            schema = json.dumps(SCHEMA)
-            prompts = [chat.system("You reply with JSON only.")
-                       + chat.user(f"Describe {PEOPLE[i % len(PEOPLE)]} as JSON for this schema: {schema}")
-                       + chat.cue() for i in range(batch)]
-            lengths = [len(o) for o in constrained(engine, compiler, prompts, stops)["outputs"]]   # warm-up
-            unconstrained(engine, prompts, lengths)
-            runs = [constrained(engine, compiler, prompts, stops) for _ in range(args.repeats)]
+        schema = json.dumps(SCHEMA)
+        prompts = [chat.system("You reply with JSON only.")
+                   + chat.user(f"Describe {PEOPLE[i % len(PEOPLE)]} as JSON for this schema: {schema}")
+                   + chat.cue() for i in range(max(int(b) for b in args.batches.split(",")))]
+        for batch in [int(b) for b in args.batches.split(",")] if "host" in parts else []:
+            batch_prompts = prompts[:batch]
+            lengths = [len(o) for o in constrained(engine, compiler, batch_prompts, stops)["outputs"]]   # warm-up
+            unconstrained(engine, batch_prompts, lengths)
+            runs = [constrained(engine, compiler, batch_prompts, stops) for _ in range(args.repeats)]
             run = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
-            plain = statistics.median(unconstrained(engine, prompts, lengths) for _ in range(args.repeats))
+            plain = statistics.median(unconstrained(engine, batch_prompts, lengths) for _ in range(args.repeats))
             n = sum(lengths)
             rows.append((batch, n, n / plain, n / run["seconds"], run["seconds"] / plain,
                          *(1000 * run[k] / n for k in ("mask", "apply", "accept"))))
-        # the guest's cost for the same matcher work, over a fixed token path (the first output)
-        path = constrained(engine, compiler, prompts[:1], stops)["outputs"][0]
-        run_inferlet(GUEST_LOOP, {"tokens": path, "schema": SCHEMA}, address)               # warm-up
-        guest = run_inferlet(GUEST_LOOP, {"tokens": path, "schema": SCHEMA}, address), len(path)
+        if "guest" in parts:
+            # the guest's cost for the same matcher work, over a fixed token path (the first output)
+            path = constrained(engine, compiler, prompts[:1], stops)["outputs"][0]
+            run_inferlet(GUEST_LOOP, {"tokens": path, "schema": SCHEMA}, address)               # warm-up
+            guest = run_inferlet(GUEST_LOOP, {"tokens": path, "schema": SCHEMA}, address), len(path)
+        if "device" in parts:
+            device = device_path(address, prompts[0], args.repeats)
     finally:
         server.close()
         engine.close()
 
-    report = "\n".join(
-        ["| batch | tokens | unconstrained tok/s | constrained tok/s | time ratio (constrained ÷ unconstrained) "
-         "| mask ms/tok | apply ms/tok | accept ms/tok |", "|---|---|---|---|---|---|---|---|"]
-        + [f"| {b} | {n} | {u:.1f} | {c:.1f} | {r:.2f}× | {m:.3f} | {a:.3f} | {acc:.3f} |"
-           for b, n, u, c, r, m, a, acc in rows])
-    times, n = guest
-    report += ("\n\n| inferlet (sandbox, host operations) | ms/token |\n|---|---|\n"
-               + "".join(f"| {name} | {1000 * times[key] / n:.3f} |\n" for name, key in
-                         [("Matcher.mask()", "mask"), ("mask.unpack_mask(...)", "unpack"),
-                          ("Matcher.accept_tokens([t])", "accept")]))
+    tables = []
+    if rows:
+        tables.append("\n".join(
+            ["| batch | tokens | unconstrained tok/s | constrained tok/s | time ratio (constrained ÷ unconstrained) "
+             "| mask ms/tok | apply ms/tok | accept ms/tok |", "|---|---|---|---|---|---|---|---|"]
+            + [f"| {b} | {n} | {u:.1f} | {c:.1f} | {r:.2f}× | {m:.3f} | {a:.3f} | {acc:.3f} |"
+               for b, n, u, c, r, m, a, acc in rows]))
+    if guest is not None:
+        times, n = guest
+        tables.append("| inferlet (sandbox, host operations) | ms/token |\n|---|---|\n"
+                      + "\n".join(f"| {name} | {1000 * times[key] / n:.3f} |" for name, key in
+                                  [("Matcher.mask()", "mask"), ("mask.unpack_mask(...)", "unpack"),
+                                   ("Matcher.accept_tokens([t])", "accept")]))
+    if device:
+        tables.append("\n".join(
+            ["| inferlet, mask on the device (batch 1) | tokens | Matcher.mask() | unpack | Channel.put | "
+             "pass (submit → token) | accept | total ms/token | time ratio (÷ unconstrained) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+            + [f"| {name} | {n} | " + " | ".join(f"{v:.3f}" for v in phases) + f" | {total:.2f} | {ratio:.2f}× |"
+               for name, n, *phases, total, ratio in device]))
     env = (f"{args.dtype}, default model, eager engine, in process; JSON schema with nested object, array, enum; "
            f"≤{MAX_TOKENS} tokens per sequence; median of {args.repeats}; "
            f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
-    publish(env, report, args.out, args.title)
+    publish(env, "\n\n".join(tables) + "\n", args.out, args.title)
 
 
 if __name__ == "__main__":
