@@ -9,7 +9,8 @@ import torch
 
 from pie_actors.gpu.engine import Lane, PassRequest
 from pie_actors.inferlet.chat_ops import ChatTokens
-from tests.test_inferlet_programs import EXAMPLES, referenced, run, sandbox, served, settle  # noqa: F401 (fixtures)
+from tests.test_inferlet_programs import (  # noqa: F401 (fixtures)
+    EXAMPLES, referenced, run, sandbox, served, settle)
 
 
 def example(name: str) -> str:
@@ -31,7 +32,8 @@ def log_probs(engine, prompt: list[int], continuations: list[list[int]]) -> list
     try:
         engine.submit(PassRequest([Lane(root, prompt[:-1])])).result()
         seqs += [engine.fork(root) for _ in continuations]
-        lanes = [Lane(seq, prompt[-1:] + c, readout=list(range(len(c)))) for seq, c in zip(seqs[1:], continuations)]
+        lanes = [Lane(seq, prompt[-1:] + c, readout=list(range(len(c))))
+                 for seq, c in zip(seqs[1:], continuations)]
         rows = engine.submit(PassRequest(lanes)).result().float().log_softmax(-1)
         return list(rows.split([len(c) for c in continuations]))
     finally:
@@ -113,7 +115,8 @@ def test_prefix_sharing_computes_the_prompt_once(served, sandbox, monkeypatch):
         return execute(plan)
     monkeypatch.setattr(engine.worker, "execute", counting)
 
-    text = " ".join(f"Entry {i}: the tide was {i % 7} feet and the wind came from the {'north south east west'.split()[i % 4]}."
+    winds = ["north", "south", "east", "west"]
+    text = " ".join(f"Entry {i}: the tide was {i % 7} feet and the wind came from the {winds[i % 4]}."
                     for i in range(30)) + " Summary:"
     prompt, n = encode(engine, text), 6
     assert 450 <= len(prompt) <= 600
@@ -144,7 +147,7 @@ def test_sliding_window_holds_a_fixed_number_of_pages(served, sandbox):
     for n in (30, 100):
         held: list[int] = []
         outs.append(run(served, sandbox, example("sliding_window"), {"prompt": prompt, "max_tokens": n, **window},
-                        on_send=lambda _: held.append(referenced(server) - start)))
+                        on_send=lambda _, held=held: held.append(referenced(server) - start)))
         peaks.append(max(held))
     slots = outs[1]["slots"]
     assert slots == 4 + 16 + 8 and outs[1]["positions"] > 3 * slots      # the ring wrapped three times
@@ -165,26 +168,25 @@ def test_sliding_window_holds_a_fixed_number_of_pages(served, sandbox):
     settle(engine, server, start)
 
 
-def _sampled(served, sandbox, name, **input):
-    return {seed: run(served, sandbox, example(name), {**input, "seed": seed})["tokens"] for seed in (1, 2)}
+def _sampled(served, sandbox, name, seeds, **input) -> list[list[int]]:
+    return [run(served, sandbox, example(name), {**input, "seed": seed})["tokens"] for seed in seeds]
 
 
 def test_top_a_is_seeded_and_samples_inside_its_set(served, sandbox):
     engine, server = served
     start = referenced(server)
     prompt, a = "Once upon a time", 0.2
-    runs = _sampled(served, sandbox, "top_a", prompt=prompt, a=a, max_tokens=12)
-    assert run(served, sandbox, example("top_a"), {"prompt": prompt, "a": a, "max_tokens": 12, "seed": 1})["tokens"] \
-        == runs[1] != runs[2]
+    one, again, two = _sampled(served, sandbox, "top_a", (1, 1, 2), prompt=prompt, a=a, max_tokens=12)
+    assert one == again != two
     # each token has probability >= a * p_max^2 under the engine's logits
-    for tokens, lp in zip(runs.values(), log_probs(engine, encode(engine, prompt), list(runs.values()))):
+    for tokens, lp in zip([one, two], log_probs(engine, encode(engine, prompt), [one, two])):
         probs = lp.exp()
         chosen = probs[torch.arange(len(tokens)), torch.tensor(tokens)]
         assert (chosen >= a * probs.amax(-1) ** 2 * (1 - 1e-4)).all()
     # a = 1 keeps only tokens with p >= p_max^2: on a confident continuation, greedy's tokens
     counting = "1, 2, 3, 4, 5,"
-    out = run(served, sandbox, example("top_a"), {"prompt": counting, "a": 1.0, "max_tokens": 12, "seed": 3})
-    assert out["tokens"] == greedy(engine, encode(engine, counting), 12)
+    [out] = _sampled(served, sandbox, "top_a", (3,), prompt=counting, a=1.0, max_tokens=12)
+    assert out == greedy(engine, encode(engine, counting), 12)
     settle(engine, server, start)
 
 
@@ -192,13 +194,13 @@ def test_temperature_is_seeded_and_greedy_at_zero(served, sandbox):
     engine, server = served
     start = referenced(server)
     prompt = "Once upon a time"
-    runs = _sampled(served, sandbox, "temperature", prompt=prompt, temperature=0.8, max_tokens=12)
-    again = run(served, sandbox, example("temperature"), {"prompt": prompt, "temperature": 0.8, "max_tokens": 12,
-                                                         "seed": 1})
-    assert again["tokens"] == runs[1] != runs[2]
+    one, again, two = _sampled(served, sandbox, "temperature", (1, 1, 2), prompt=prompt, temperature=0.8,
+                               max_tokens=12)
+    assert one == again != two
     want = greedy(engine, encode(engine, prompt), 12)
     for t in (0, 1e-4):                  # the argmax program, and gumbel_max with the noise swamped
-        assert _sampled(served, sandbox, "temperature", prompt=prompt, temperature=t, max_tokens=12) == {1: want, 2: want}
+        runs = _sampled(served, sandbox, "temperature", (1, 2), prompt=prompt, temperature=t, max_tokens=12)
+        assert runs == [want] * 2
     settle(engine, server, start)
 
 

@@ -47,9 +47,10 @@ async def main(input: dict) -> dict:
     for _ in range(max_tokens):
         fwd = ForwardPass()
         feeds = [feed for _, _, _, feed in live]
-        fwd.embed(sum(feeds, []), [0, *accumulate(map(len, feeds))])       # a lane per beam
+        fwd.embed([t for feed in feeds for t in feed], [0, *accumulate(map(len, feeds))])   # a lane per beam
         fwd.state([ws for _, _, ws, _ in live], StateGeometry.folding())
-        result = fwd.epilogue(lambda: sum((top(lane, width, vocab) for lane in range(len(live))), []))
+        lanes = len(live)
+        result = fwd.epilogue(lambda lanes=lanes: [x for lane in range(lanes) for x in top(lane, width, vocab)])
         pipe.submit(fwd)
         result = await result
 

@@ -16,6 +16,7 @@ input: {"prompt", "max_tokens", "delta", "gamma", "key", "seed", "temperature"}
 input: {"detect": token ids, "gamma", "key"}  ->  {"z", "green", "scored"}
 """
 import math
+from itertools import pairwise
 
 from inferlet import chat, model
 from inferlet.eta import (Channel, ForwardPass, Pipeline, StateGeometry, WorkingSet, cast, dtype, gather,
@@ -67,7 +68,7 @@ async def generate(input: dict) -> list[int]:
 async def detect(tokens: list[int], gamma: float, key: int) -> tuple[int, int]:
     """(green tokens, tokens scored): each token after the first, against its predecessor's list."""
     vocab = model.output_vocab_size()
-    pairs = list(zip(tokens, tokens[1:]))
+    pairs = list(pairwise(tokens))
     if not pairs:
         return 0, 0
 
