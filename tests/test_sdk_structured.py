@@ -225,3 +225,35 @@ async def main(input):
     assert kinds[-1] == "Idle"                      # the answer's tokens
     assert out["drained"] == [["Start", None], ["Delta", "Two and two."], ["End", "Two and two."], ["Idle", None]]
     assert out["prefilled"] == ["Start", "Delta"]
+
+
+def test_bad_token_ids_from_the_guest(served, sandbox):
+    """Ids outside the vocabulary: a matcher refuses them, a decoder says so, and both go on."""
+    source = """
+from inferlet import HostError, model, reasoning, tools
+from inferlet.grammar import Grammar, Matcher
+
+async def main(input):
+    m = Matcher(Grammar.from_regex("a+"))
+    out = {"refused": [m.accept_tokens([-1]), m.accept_tokens([model.output_vocab_size()])],
+           "then": m.accept_tokens(model.encode("aa"))}
+    call = model.encode('<tool_call>\\n{"name": "add", "arguments": {"a": 1}}\\n</tool_call>')
+    for name, decoder in [("tools", tools.Decoder()), ("reasoning", reasoning.Decoder.for_cue([]))]:
+        try:
+            decoder.feed([-1])
+            out[name] = None
+        except HostError as e:
+            out[name] = str(e)
+    decoder = tools.Decoder()
+    try:
+        decoder.feed(call[:3] + [10**12])
+    except HostError:
+        pass
+    out["after"] = [type(decoder.feed(call)).__name__, type(decoder.feed([])).__name__]
+    return out
+"""
+    out = run(served, sandbox, source)
+    assert out["refused"] == [False, False] and out["then"] is True
+    assert "tools.feed: token id -1 out of range" in out["tools"]
+    assert "reasoning.feed: token id -1 out of range" in out["reasoning"]
+    assert out["after"] == ["Start", "Call"]
