@@ -37,6 +37,8 @@ def test_quickstart_through_the_controller(cluster):
 def test_warm_pool_hands_out_started_actors(cluster):
     controller = connect()
     cluster(COMPLETION, {"prompt": PROMPTS[0]})                     # the pool has refilled since
+    # the actor hands itself back when its run ends, just after the client got the result
+    _wait_for(lambda: not ray.get(controller.status.remote())["processes"])
     idle = ray.get(controller.__ray_call__.remote(lambda self: [a._actor_id.hex() for a in self.idle]))
     actor = ray.get(controller.acquire.remote())
     assert actor._actor_id.hex() in idle
