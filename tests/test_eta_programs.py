@@ -267,3 +267,40 @@ def test_a_lora_adapter_equals_the_merged_weights_and_stays_private(served, sand
     with pytest.raises(InferletError, match=r"op 6 \(add\) on shapes \[5, 576\], \[5, 7\]"):
         run(served, sandbox, LORA, {**base, "lora": [a.tolist(), b[:, :7].tolist()]})
     settle(engine, server, start)
+
+
+MASKED = """
+from inferlet import chat, model
+from inferlet.eta import Channel, ForwardPass, Pipeline, WorkingSet, dtype, intrinsics, masked_argmax
+from inferlet.mask import unpack_mask
+
+async def main(input):
+    vocab = model.output_vocab_size()
+    allowed = input["allowed"]
+    words = [0] * ((vocab + 31) // 32)
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    words = [w - (1 << 32) if w >> 31 else w for w in words]      # int32, as matchers give them
+    mask = unpack_mask(words, vocab)
+    chan = Channel([vocab], dtype.bool).capacity(2)
+    chan.put(mask if input["packed"] else list(mask))
+    ws, pipe = WorkingSet(), Pipeline()
+    fwd = ForwardPass()
+    fwd.embed(chat.prefix() + model.encode("The capital of France is"))
+    fwd.state([ws])
+    token = fwd.epilogue(lambda: masked_argmax(intrinsics.output(0, "logits"), chan.take()))
+    pipe.submit(fwd)
+    return {"token": await token, "ones": sum(mask)}
+"""
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed-words", "bool-list"])
+def test_a_grammar_mask_reaches_the_device_through_a_channel(served, sandbox, packed):
+    engine, _ = served
+    prompt = engine.tokenizer.encode(PROMPT)
+    greedy = engine.generate([prompt], 1, ignore_eos=True)[0][0]
+    allowed = [5, 31, 32, 49151, 40000]                # word edges and the sign bit of a word
+    out = run(served, sandbox, MASKED, {"allowed": allowed, "packed": packed})
+    assert out["ones"] == len(allowed) and out["token"] in allowed
+    both = run(served, sandbox, MASKED, {"allowed": allowed + [greedy], "packed": packed})
+    assert both["token"] == greedy

@@ -107,6 +107,15 @@ class ChannelStore:
                 return
         sink(cid, tensor.tolist(), None)
 
+    def put_bits(self, cid: int, words: list[int], n: int) -> None:
+        """Enqueue a bool value of `n` elements sent as packed int32 words (bit i % 32 of word
+        i // 32 = element i): 1 number per 32 tokens of a vocabulary mask."""
+        if not 0 <= n <= 32 * len(words) or len(words) > MAX_ELEMENTS:
+            raise ChannelError(f"{len(words)} words cannot hold {n} bits")
+        packed = torch.tensor(words, dtype=torch.int64, device=self.device)
+        shifts = torch.arange(32, dtype=torch.int64, device=self.device)
+        self.put(cid, ((packed[:, None] >> shifts) & 1).reshape(-1)[:n].bool())
+
     def take(self, cid: int) -> torch.Tensor:
         """Dequeue the oldest value; ChannelError when the channel is empty."""
         with self._lock:

@@ -80,7 +80,7 @@ _FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "free": (("seq",), ()), "seq_state": (("seq",), ()), "reserve": (("seq", "end"), ()),
     "pass": (("lanes", "epilogue"), ("prologue", "repeat", "adapters")),
     "program": (("ir",), ()),
-    "chan_create": (("shape", "dtype"), ("capacity", "values")), "chan_put": (("chan", "value"), ()),
+    "chan_create": (("shape", "dtype"), ("capacity", "values")), "chan_put": (("chan", "value"), ("bits",)),
     "chan_take": (("chan",), ()), "chan_subscribe": (("chan",), ()), "chan_free": (("chan",), ()),
     "repeat_ack": (("pass", "read"), ()), "repeat_stop": (("pass",), ("keep",)),
 }
@@ -363,7 +363,11 @@ class _Connection:
         return cid
 
     def _op_chan_put(self, msg: dict[str, Any]) -> None:
-        self.engine.channels.put(self._chan(msg["chan"]), msg["value"])
+        cid = self._chan(msg["chan"])
+        if msg.get("bits") is None:
+            self.engine.channels.put(cid, msg["value"])
+        else:
+            self.engine.channels.put_bits(cid, _ints(msg["value"], "value"), _int(msg["bits"], "bits"))
 
     def _op_chan_take(self, msg: dict[str, Any]) -> Any:
         return self.engine.channels.take(self._chan(msg["chan"])).tolist()

@@ -60,7 +60,8 @@ class EtaOps:
         "ws.reserve": "_ws_reserve",
         "eta.program": "_program", "eta.submit": "_submit", "eta.run_ahead": "_run_ahead",
         "eta.run_ahead_ack": "_run_ahead_ack", "eta.run_ahead_stop": "_run_ahead_stop",
-        "chan.create": "_chan_create", "chan.put": "_chan_put", "chan.take": "_chan_take",
+        "chan.create": "_chan_create", "chan.put": "_chan_put", "chan.put_bits": "_chan_put_bits",
+        "chan.take": "_chan_take",
         "chan.take_scalar": "_chan_take_scalar", "chan.free": "_chan_free",
     }
 
@@ -226,9 +227,17 @@ class EtaOps:
 
     def _chan_put(self, args) -> None:
         cid, value = args
+        self._put(cid, value=value)
+
+    def _chan_put_bits(self, args) -> None:
+        """A bool value sent as packed int32 words (bit i % 32 of word i // 32 = element i)."""
+        cid, words, n = args
+        self._put(cid, value=words, bits=n)
+
+    def _put(self, cid, **fields) -> None:
         if cid in self._channels:
             raise HostOpError(f"channel {cid} is read by the host (take_scalar); the host cannot put into it")
-        self._wait(self.client.call("chan_put", chan=cid, value=value))
+        self._wait(self.client.call("chan_put", chan=cid, **fields))
 
     def _chan_take(self, cid) -> Any:
         with self._chan_lock:

@@ -22,6 +22,7 @@ import itertools
 import json
 
 from . import _host
+from .mask import Mask
 
 __all__ = ["ForwardPass", "Pipeline", "StateGeometry", "WorkingSet", "Tensor", "Channel", "dtype",
            "intrinsics", "trace"]
@@ -248,9 +249,12 @@ class Channel:
         return self._handle
 
     def put(self, value) -> None:
-        """Enqueue a value (on the device inside a traced function, from the host otherwise)."""
+        """Enqueue a value (on the device inside a traced function, from the host otherwise).
+        A mask from `mask.unpack_mask` crosses as its packed words."""
         if _tracing is not None:
             _record("put", self._h(), value)
+        elif isinstance(value, Mask):
+            _host.call("chan.put_bits", [self._h(), value.words, len(value)])
         else:
             _host.call("chan.put", [self._h(), value])
 
