@@ -267,3 +267,18 @@ async def main(input):
     sent: list[str] = []
     out = run(served, sandbox, source, {}, on_send=sent.append, messages=["one", {"two": 2}])
     assert out == {"a": "one", "b": {"two": 2}} and sent == ["got one"]
+
+
+def test_binary_data_flows_both_ways(served, sandbox):
+    source = """
+from inferlet import session
+async def main(input):
+    data = await session.receive_file()
+    session.send_file(data[::-1] + session.file("extra"))
+    return {"n": len(data)}
+"""
+    blob = bytes(range(256)) * 3
+    files: list[bytes] = []
+    out = run(served, sandbox, source, {}, on_send_file=files.append, files={"extra": b"\x00!"},
+              on_start=lambda host: host.deliver_file(blob))
+    assert out == {"n": 768} and files == [blob[::-1] + b"\x00!"]
