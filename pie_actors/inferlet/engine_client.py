@@ -127,7 +127,10 @@ class EngineClient:
                 message = protocol.unpack(await protocol.read_frame(self._reader))
                 if "push" in message:
                     if self.on_push is not None:
-                        self.on_push(message)
+                        try:
+                            self.on_push(message)
+                        except Exception:     # a consumer's bug must not end the connection
+                            log.exception("engine push handler failed on %r", message.get("push"))
                     continue
                 future = self._pending.pop(message.get("id"), None)
                 if future is None:
