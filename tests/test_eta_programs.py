@@ -304,3 +304,58 @@ def test_a_grammar_mask_reaches_the_device_through_a_channel(served, sandbox, pa
     assert out["ones"] == len(allowed) and out["token"] in allowed
     both = run(served, sandbox, MASKED, {"allowed": allowed + [greedy], "packed": packed})
     assert both["token"] == greedy
+
+
+DROP_AND_FORK = """
+import gc
+from inferlet import chat, model, session
+from inferlet.eta import ForwardPass, Pipeline, WorkingSet, intrinsics, reduce_argmax
+
+def prefill(pipe, ws, text):
+    fwd = ForwardPass()
+    fwd.embed(chat.prefix() + model.encode(text))
+    fwd.state([ws])
+    token = fwd.epilogue(lambda: reduce_argmax(intrinsics.output(0, "logits")))
+    pipe.submit(fwd)
+    return token
+
+async def main(input):
+    pipe = Pipeline()
+    for i in range(input["loops"]):              # each loop's working set is dropped
+        ws = WorkingSet()
+        await prefill(pipe, ws, f"Working set number {i} holds a long enough prompt " * 6)
+        del ws
+        gc.collect()
+    parent = WorkingSet()
+    token = prefill(pipe, parent, "The fork waits for this pass to run " * 4)
+    child = parent.fork(pipe)                    # not awaited: fork waits for the pass
+    await token
+    session.send("ready")
+    await session.receive()
+    return {"parent": parent.folded(), "child": child.folded()}
+"""
+
+
+def test_dropped_working_sets_return_their_pages_and_fork_waits_for_submitted_passes(served, sandbox):
+    import threading
+    import time
+
+    engine, server = served
+    start = referenced(server)
+    peaks = {}
+    for loops in (1, 6):
+        hosts, ready = [], threading.Event()
+        thread = threading.Thread(target=lambda: peaks.__setitem__(loops, run(
+            served, sandbox, DROP_AND_FORK, {"loops": loops}, on_start=hosts.append,
+            on_send=lambda text: ready.set())))
+        thread.start()
+        assert ready.wait(60)
+        time.sleep(0.2)                          # the last drop's free reaches the engine
+        in_use = referenced(server) - start
+        hosts[0].deliver("go")
+        thread.join(60)
+        peaks[loops] = (in_use, peaks[loops])
+    (one, out_one), (six, out_six) = peaks[1], peaks[6]
+    assert one == six > 0                        # six dropped working sets hold no more than one
+    assert out_one["child"] == out_one["parent"] == out_six["child"] > 0
+    settle(engine, server, start)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import json
 import threading
-from collections import deque
+from collections import Counter, deque
 from typing import Any, Callable
 
 from .engine_client import EngineError
@@ -25,6 +25,7 @@ from .host import HostOpError
 
 __all__ = ["EtaOps"]
 
+FORK_WAIT_S = 600.0     # how long ws.fork waits for the parent's passes to run
 _LANE_KEYS = {"ws", "tokens", "chan", "positions", "slots", "kv_len", "mask", "fold", "readout"}
 
 
@@ -57,7 +58,7 @@ def _scalar(value: Any) -> Any:
 class EtaOps:
     ETA_OPS: dict[str, str] = {
         "ws.create": "_ws_create", "ws.fork": "_ws_fork", "ws.state": "_ws_state",
-        "ws.reserve": "_ws_reserve",
+        "ws.reserve": "_ws_reserve", "ws.free": "_ws_free",
         "eta.program": "_program", "eta.submit": "_submit", "eta.run_ahead": "_run_ahead",
         "eta.run_ahead_ack": "_run_ahead_ack", "eta.run_ahead_stop": "_run_ahead_stop",
         "chan.create": "_chan_create", "chan.put": "_chan_put", "chan.put_bits": "_chan_put_bits",
@@ -67,6 +68,10 @@ class EtaOps:
 
     def _init_eta(self) -> None:
         self._ws: dict[int, int] = {}                     # working-set handle -> engine sequence
+        self._ws_ids = itertools.count(1)
+        self._busy: Counter[int] = Counter()              # working-set handle -> passes not finished
+        self._dropped: set[int] = set()                   # handles the guest dropped while busy
+        self._busy_cond = threading.Condition()
         self._programs: dict[str, int] = {}               # IR text -> engine program id
         self._puts: dict[int, set[int]] = {}              # program id -> channels it puts into
         self._channels: dict[int, _HostChannel] = {}      # subscribed channel -> its host end
@@ -85,7 +90,7 @@ class EtaOps:
         return seq
 
     def _new_ws(self, seq: int) -> int:
-        handle = len(self._ws) + 1
+        handle = next(self._ws_ids)
         self._ws[handle] = seq
         return handle
 
@@ -93,7 +98,46 @@ class EtaOps:
         return self._new_ws(self._wait(self.client.create()))
 
     def _ws_fork(self, handle) -> int:
-        return self._new_ws(self._wait(self.client.fork(self._seq(handle))))
+        """A child sharing the prefix the parent has once its passes submitted so far have run."""
+        seq = self._seq(handle)
+        with self._busy_cond:
+            if not self._busy_cond.wait_for(lambda: not self._busy[handle], FORK_WAIT_S):
+                raise HostOpError(f"fork: the working set's passes did not finish in {FORK_WAIT_S:.0f} s")
+        return self._new_ws(self._wait(self.client.fork(seq)))
+
+    def _ws_free(self, handles) -> None:
+        """The guest dropped these working sets: free each once its passes have run."""
+        if not isinstance(handles, list):
+            raise HostOpError("ws.free takes a list of working-set handles")
+        with self._busy_cond:
+            idle = [h for h in handles if h in self._ws and not self._busy[h]]
+            self._dropped.update(h for h in handles if h in self._ws and self._busy[h])
+        for handle in idle:
+            self.loop.call_soon_threadsafe(self._free_now, handle)
+
+    def _free_now(self, handle: int) -> None:
+        # loop thread, FIFO after every pass already submitted on it
+        seq = self._ws.pop(handle, None)
+        if seq is not None:
+            try:
+                _, fut = self.client.start("free", seq=seq)
+            except EngineError:
+                return                    # the connection is gone: the engine freed everything
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    def _hold(self, handles: list[int]) -> None:
+        with self._busy_cond:
+            self._busy.update(handles)
+
+    def _release(self, handles: list[int]) -> None:
+        """A pass on these working sets finished (loop thread)."""
+        with self._busy_cond:
+            self._busy.subtract(handles)
+            free = [h for h in handles if h in self._dropped and not self._busy[h]]
+            self._dropped.difference_update(free)
+            self._busy_cond.notify_all()
+        for handle in free:
+            self._free_now(handle)
 
     def _ws_state(self, handle) -> dict:
         return self._wait(self.client.state(self._seq(handle)))
@@ -115,8 +159,9 @@ class EtaOps:
             self._puts[pid] = {op[1][0] for op in ops if op[0] == "put"}
         return pid
 
-    def _pass_fields(self, args) -> dict[str, Any]:
-        """The engine's pass request fields for a guest pass {lanes, epilogue, prologue}."""
+    def _pass_fields(self, args) -> tuple[dict[str, Any], list[int]]:
+        """The engine's pass request fields for a guest pass {lanes, epilogue, prologue,
+        adapters}, and the working-set handles of its lanes."""
         lanes_in = args.get("lanes") if isinstance(args, dict) else None
         if not isinstance(lanes_in, list) or not lanes_in:
             raise HostOpError("a pass needs at least one lane")
@@ -136,24 +181,39 @@ class EtaOps:
             fields["prologue"] = args["prologue"]
         if args.get("adapters"):
             fields["adapters"] = args["adapters"]
-        return fields
+        return fields, [lane["ws"] for lane in lanes_in]
 
     def _submit(self, args) -> int:
         """Queue a pass; returns the future id of its epilogue's result (None without one)."""
-        fields = self._pass_fields(args)
-        has_epilogue = args.get("epilogue") is not None
+        fields, handles = self._pass_fields(args)
+        value = _outputs if args.get("epilogue") is not None else _nothing
         fid = self.futures.new()
+        self._send_pass(fields, handles, lambda fut: self._pass_done(fid, fut, value))
+        return fid
+
+    def _send_pass(self, fields: dict[str, Any], handles: list[int], done: Callable,
+                   started: Callable | None = None) -> None:
+        """Write the pass request on the loop thread, in submission order; `done(future)` when it
+        ends (also when it cannot be sent). Its working sets count as busy until then."""
+        self._hold(handles)
         self.passes += 1
+
+        def finished(fut) -> None:
+            self._release(handles)
+            done(fut)
 
         def start() -> None:
             try:
-                _, fut = self.client.start("pass", **fields)
+                request_id, fut = self.client.start("pass", **fields)
             except EngineError as e:
-                self._complete(fid, error=f"{e.type}: {e.message}")
-                return
-            fut.add_done_callback(lambda f: self._pass_done(fid, f, _outputs if has_epilogue else _nothing))
+                fut = self.loop.create_future()
+                fut.set_exception(e)
+            else:
+                if started is not None:
+                    started(request_id)
+            fut.add_done_callback(finished)
         self.loop.call_soon_threadsafe(start)
-        return fid
+
 
     def _pass_done(self, fid: int, fut, value: Callable[[Any], Any]) -> None:
         """Complete the guest's future `fid` with `value(result)` of an engine pass request."""
@@ -169,14 +229,13 @@ class EtaOps:
 
     def _run_ahead(self, args) -> dict[str, int]:
         """Start a repeating pass: {"run": handle, "done": future id of the runs kept}."""
-        fields = self._pass_fields(args)
+        fields, handles = self._pass_fields(args)
         budget, window = args.get("budget"), args.get("window")
         if type(budget) is not int or type(window) is not int or budget < 1 or window < 1:
             raise HostOpError("run_ahead needs a positive integer budget and window")
         fields["repeat"] = {"budget": budget, "window": window}
         puts = self._puts.get(args.get("epilogue"), set())
         run, fid = next(self._run_ids), self.futures.new()
-        self.passes += 1
 
         def done(fut) -> None:
             self._runs.pop(run, None)
@@ -186,14 +245,7 @@ class EtaOps:
                         self._channels[cid].values.clear()
             self._pass_done(fid, fut, int)
 
-        def start() -> None:
-            try:
-                self._runs[run], fut = self.client.start("pass", **fields)
-            except EngineError as e:
-                self._complete(fid, error=f"{e.type}: {e.message}")
-                return
-            fut.add_done_callback(done)
-        self.loop.call_soon_threadsafe(start)
+        self._send_pass(fields, handles, done, started=lambda request_id: self._runs.__setitem__(run, request_id))
         return {"run": run, "done": fid}
 
     def _run_ahead_ack(self, args) -> None:

@@ -33,15 +33,33 @@ _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, sort_keys=T
 # ---------------------------------------------------------------------------------------------
 # working sets
 
+_dropped: list[int] = []     # handles of working sets the program no longer references
+
+
+def _free_dropped() -> None:
+    """Tell the host about dropped working sets (at the next host call that makes or runs
+    passes: a finalizer must not call the host itself)."""
+    if _dropped:
+        handles = _dropped[:]
+        _dropped.clear()
+        _host.call("ws.free", handles)
+
+
 class WorkingSet:
     """One sequence's state inside the model (KV cache, recurrent state). The host side is
-    made on first use, so creating one costs nothing until a pass references it."""
+    made on first use, so creating one costs nothing until a pass references it. When the
+    program drops it, its pages return (once the passes already submitted on it have run)."""
 
     def __init__(self) -> None:
         self._handle: int | None = None
 
+    def __del__(self) -> None:
+        if self._handle is not None:
+            _dropped.append(self._handle)
+
     def _h(self) -> int:
         if self._handle is None:
+            _free_dropped()
             self._handle = _host.call("ws.create")
         return self._handle
 
@@ -54,8 +72,8 @@ class WorkingSet:
         return _host.call("ws.state", self._h())["cached_tokens"]
 
     def fork(self, pipe: "Pipeline | None" = None) -> "WorkingSet":
-        """A child working set sharing this one's frozen prefix (after the passes submitted
-        so far have run)."""
+        """A child working set sharing this one's frozen prefix, as it is once the passes
+        submitted so far on this working set have run (fork waits for them)."""
         child = WorkingSet()
         child._handle = _host.call("ws.fork", self._h())
         return child
@@ -504,6 +522,7 @@ class Pipeline:
     def submit(self, fwd: ForwardPass) -> None:
         """Queue one forward pass."""
         self._check(fwd)
+        _free_dropped()
         fid = _host.call("eta.submit", fwd._spec())
         fwd._submitted = True
         result = fwd._result if fwd._result is not None else _Result()
@@ -523,6 +542,7 @@ class Pipeline:
         self._check(fwd)
         from . import model
         window = model.run_ahead_window()
+        _free_dropped()
         run = _host.call("eta.run_ahead", {**fwd._spec(), "budget": int(budget), "window": 2 * window})
         fwd._submitted = True
         done = _host.future(run["done"])
