@@ -30,6 +30,20 @@ def default_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return model_store.import_model(DEFAULT_MODEL, progress=False)
 
 
+@pytest.fixture(scope="module")
+def served(default_model_dir):
+    """The default model's engine (float32) served on a local port: (engine, server)."""
+    from tests.engine_helpers import serve
+    yield from serve(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    """A sandbox on the shared runner component, two-minute deadline per run."""
+    from pie_actors.inferlet import Sandbox
+    return Sandbox(timeout=120)
+
+
 @pytest.fixture
 def pie_home_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty PIE_HOME for this test."""

@@ -6,7 +6,7 @@ import pytest
 
 from pie_actors.inferlet import InferletError
 from pie_actors.inferlet.runtime import RUN_AHEAD_WINDOW
-from tests.test_inferlet_programs import referenced, run, sandbox, served, settle  # noqa: F401 (fixtures)
+from tests.inferlet_helpers import referenced, run, settle
 
 PROMPT = "The capital of France is"
 

@@ -9,8 +9,7 @@ import torch
 
 from pie_actors.gpu.engine import Lane, PassRequest
 from pie_actors.inferlet.chat_ops import ChatTokens
-from tests.test_inferlet_programs import (  # noqa: F401 (fixtures)
-    EXAMPLES, referenced, run, sandbox, served, settle)
+from tests.inferlet_helpers import EXAMPLES, referenced, run, settle
 
 
 def example(name: str) -> str:

@@ -16,7 +16,7 @@ import pytest
 from pie_actors.inferlet.chat_ops import ChatTokens
 from tests.chat_families import FAMILIES, TEMPLATES, make_family_dir
 from tests.engine_helpers import serve
-from tests.test_inferlet_programs import referenced, run, sandbox, served, settle  # noqa: F401 (fixtures)
+from tests.inferlet_helpers import referenced, run, settle
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from pie_actors.inferlet import InferletError, Sandbox
+from pie_actors.inferlet import InferletError
 from pie_actors.inferlet.chat_ops import ChatTokens
-from pie_actors.inferlet.runtime import CHANNEL_CAPACITY, FRAME_SIZE, RUN_AHEAD_WINDOW, run_inferlet
-from tests.engine_helpers import serve
+from pie_actors.inferlet.runtime import CHANNEL_CAPACITY, FRAME_SIZE, RUN_AHEAD_WINDOW
+from tests.inferlet_helpers import EXAMPLES, referenced, run, settle
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 QUICKSTART = (EXAMPLES / "quickstart" / "main.py").read_text()
 COMPLETION = (EXAMPLES / "completion" / "main.py").read_text()
 COMPLETION_MAX = (EXAMPLES / "completion_max" / "main.py").read_text()
@@ -21,36 +19,6 @@ COMPLETION_MAX = (EXAMPLES / "completion_max" / "main.py").read_text()
 COMPLETION_TOKENS = COMPLETION.replace('return {"text": model.decode(tokens[-8:])}',
                                        'return {"text": model.decode(tokens[-8:]), "tokens": tokens[-8:]}')
 QUESTION = "What is the capital of France?"
-
-
-@pytest.fixture(scope="module")
-def served(default_model_dir):
-    """The default model's engine (float32) served on a local port: (engine, server)."""
-    yield from serve(default_model_dir)
-
-
-@pytest.fixture(scope="module")
-def sandbox() -> Sandbox:
-    return Sandbox(timeout=120)
-
-
-def referenced(server) -> int:
-    return server.stats()["kv"]["referenced"]
-
-
-def settle(engine, server, start: int) -> None:
-    """KV pages return once the run's connection is closed (the server notices asynchronously)."""
-    end = time.monotonic() + 10
-    while referenced(server) != start and time.monotonic() < end:
-        time.sleep(0.01)
-    assert referenced(server) == start
-    with engine._lock:
-        engine.kv.check()
-
-
-def run(served, sandbox, source, input, **kw):
-    engine, server = served
-    return run_inferlet(source, input, server.address, sandbox=sandbox, **kw)
 
 
 def test_chat_pieces_equal_the_rendered_template(served, sandbox):

@@ -5,33 +5,15 @@ from __future__ import annotations
 import json
 import re
 
-import pytest
 
-from pie_actors.inferlet import Sandbox
 from pie_actors.inferlet.chat_ops import ChatTokens
-from pie_actors.inferlet.runtime import run_inferlet
 from pie_actors.inferlet.tools import ToolFormat
-from tests.engine_helpers import serve
+from tests.inferlet_helpers import run
 
 SPECS = [{"type": "function", "function": {
     "name": "add", "description": "Add two integers.",
     "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                    "required": ["a", "b"]}}}]
-
-
-@pytest.fixture(scope="module")
-def served(default_model_dir):
-    yield from serve(default_model_dir)
-
-
-@pytest.fixture(scope="module")
-def sandbox() -> Sandbox:
-    return Sandbox(timeout=120)
-
-
-def run(served, sandbox, source: str, input=None):
-    _, server = served
-    return run_inferlet(source, input or {}, server.address, sandbox=sandbox)
 
 
 def test_chat_pieces(served, sandbox):
