@@ -27,6 +27,7 @@ __all__ = ["ChannelError", "ChannelStore", "MAX_CAPACITY", "MAX_ELEMENTS"]
 
 MAX_CAPACITY = 4096          # values a channel may buffer
 MAX_ELEMENTS = 1 << 20       # elements of one channel value (a vocabulary mask fits)
+MEMORY_BUDGET = 256 << 20    # bytes all channels may hold when full (capacity x value size)
 
 Sink = Callable[[int, "list | None", "str | None"], None]   # (channel, value as a list, poison message)
 
@@ -40,6 +41,7 @@ class _Channel:
     shape: tuple[int, ...]
     dtype: torch.dtype
     capacity: int
+    nbytes: int                 # what it holds when full: reserved from the budget at creation
     values: deque = field(default_factory=deque)
     poisoned: str | None = None
     sink: Sink | None = None
@@ -49,8 +51,10 @@ class ChannelStore:
     """All channels of an engine; thread-safe (the engine thread runs epilogues, the server's loop
     serves host requests)."""
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", memory_budget: int = MEMORY_BUDGET) -> None:
         self.device = torch.device(device)
+        self.memory_budget = memory_budget
+        self.reserved = 0                       # bytes of the budget the live channels hold
         self._channels: dict[int, _Channel] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -65,10 +69,16 @@ class ChannelStore:
             raise ChannelError(f"unknown channel dtype {dtype!r} (one of {', '.join(DTYPES)})")
         if type(capacity) is not int or not 1 <= capacity <= MAX_CAPACITY:
             raise ChannelError(f"channel capacity must be in [1, {MAX_CAPACITY}], got {capacity!r}")
-        chan = _Channel(tuple(shape), DTYPES[dtype], capacity)
+        nbytes = capacity * math.prod(shape) * DTYPES[dtype].itemsize
+        chan = _Channel(tuple(shape), DTYPES[dtype], capacity, nbytes)
         if values is not None:
             chan.values.append(self._value(chan, values))
         with self._lock:
+            if self.reserved + nbytes > self.memory_budget:
+                raise ChannelError(f"a channel of {capacity} x {shape} {dtype} needs {nbytes} bytes; the "
+                                   f"engine's channels have {self.memory_budget - self.reserved} of "
+                                   f"{self.memory_budget} left (free channels, or ask for less capacity)")
+            self.reserved += nbytes
             cid = next(self._ids)
             self._channels[cid] = chan
         return cid
@@ -173,7 +183,9 @@ class ChannelStore:
 
     def free(self, cid: int) -> None:
         with self._lock:
-            self._channels.pop(cid, None)
+            chan = self._channels.pop(cid, None)
+            if chan is not None:
+                self.reserved -= chan.nbytes
 
     def __len__(self) -> int:
         return len(self._channels)

@@ -31,6 +31,7 @@ from .eta import EtaError, Program
 log = logging.getLogger(__name__)
 
 _HIGH_WATER = 1 << 20   # unsent response bytes above which a connection stops reading requests
+MAX_PROGRAMS = 4096     # eta programs one connection may register
 
 
 class BadRequest(ValueError):
@@ -348,6 +349,9 @@ class _Connection:
         ir = msg["ir"]
         if not isinstance(ir, str):
             raise BadRequest("program: 'ir' is the JSON text of an eta program")
+        if len(self.programs) >= MAX_PROGRAMS:
+            raise BadRequest(f"a connection may register at most {MAX_PROGRAMS} programs (trace an "
+                             "epilogue once and reuse it; values that change go through channels)")
         self.programs.append(self.engine.programs.get(ir, self.engine.worker.device))
         return len(self.programs) - 1
 
