@@ -72,9 +72,10 @@ class Repeat:
     stopped: bool = False
     keep: int | None = None               # runs to keep when stopped (later ones are cut off)
     parked: bool = False                  # waiting for an ack (not in the pending queue)
-    lengths: list[dict[int, int]] = field(default_factory=list)   # seq -> length, before each run
-    channels: list[dict] = field(default_factory=list)            # device channels, before each run
-
+    # Before each run not yet acknowledged (run `first + i` at index i), to cut back to on stop:
+    lengths: list[dict[int, int]] = field(default_factory=list)   # seq -> length
+    channels: list[dict] = field(default_factory=list)            # device channels' values
+    first: int = 0
 
 @dataclass
 class PassRequest:
@@ -389,7 +390,10 @@ class Engine:
         """The client has read the outputs of `read` runs: the pass may run `window` beyond that."""
         with self._lock:
             r = req.repeat
-            r.acked = max(r.acked, read)
+            r.acked = max(r.acked, min(read, r.runs))
+            # runs the client has read are never cut: forget their before-states
+            del r.lengths[:r.acked - r.first], r.channels[:r.acked - r.first]
+            r.first = r.acked
             if r.parked and r.runs - r.acked < r.window:
                 r.parked = False
                 self._pending.append(req)
@@ -411,15 +415,15 @@ class Engine:
 
     def _end_repeat(self, req: PassRequest) -> None:
         r = req.repeat
-        kept = r.runs if r.keep is None else min(r.keep, r.runs)
+        kept = r.runs if r.keep is None else min(max(r.keep, r.first), r.runs)
         if kept < r.runs:                 # as if the runs after `kept` had never happened
             try:
-                for seq, length in r.lengths[kept].items():
+                for seq, length in r.lengths[kept - r.first].items():
                     self._copies.extend(self.kv.cut(seq, length))
             except KVStoreError as e:     # the sequence was freed meanwhile
                 req.future.set_exception(e)
                 return
-            self.channels.restore(r.channels[kept])
+            self.channels.restore(r.channels[kept - r.first])
         req.future.set_result(kept)
 
     # ---- background loop ---------------------------------------------------------------------
