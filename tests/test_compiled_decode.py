@@ -36,3 +36,19 @@ def test_compiled_decode_matches_eager(tmp_path):
         torch.testing.assert_close(c, w, atol=1e-4, rtol=1e-4)
     assert compiled.worker.compiled.batch_sizes == {4}       # 3 lanes padded to the bucket of 4
     compiled.kv.check()
+
+
+def test_two_compiled_engines_in_one_process_keep_their_own_weights(tmp_path):
+    """Compiled graphs hold frozen weights and skip module guards: a second engine of the same
+    shapes must not run the first one's graphs."""
+    first, second = save_tiny_model("qwen3", tmp_path / "a", seed=0), save_tiny_model("qwen3", tmp_path / "b", seed=1)
+    kw = dict(device="cpu", dtype="float32", num_pages=64, page_size=4)
+    prompts = [[5, 6, 7], [9, 10]]
+    results = {}
+    for name, folder in (("a", first), ("b", second)):
+        compiled = Engine.from_model(str(folder), compile=True, **kw)
+        results[name] = _decode_logits(compiled, prompts, 4)
+    want_b = _decode_logits(Engine.from_model(str(second), compile=False, **kw), prompts, 4)
+    for w, c in zip(want_b, results["b"]):
+        torch.testing.assert_close(c, w, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(results["a"][-1], results["b"][-1])

@@ -8,12 +8,20 @@ Padding lanes write into and attend to a scratch page that no sequence owns.
 """
 from __future__ import annotations
 
+import types
+
 import torch
 
 from .attention import AttentionMetadata, LanePlan
 from .models import LlamaModel
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def _own_code(fn: types.FunctionType) -> types.FunctionType:
+    """`fn` with a code object of its own (a separate Dynamo cache)."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
+                              fn.__closure__)
 
 
 class CompiledDecode:
@@ -23,9 +31,15 @@ class CompiledDecode:
         self.scratch_page = scratch_page
         self.device = kv_caches[0][0].device
         # The model's modules never change after loading, so their guards are pure per-call cost
-        # (~0.8 ms a step here); tensor shape guards stay, and buckets keep those few.
-        self._fn = torch.compile(self._forward, dynamic=False, mode=mode, options={
+        # (~0.8 ms a step here); tensor shape guards stay, and buckets keep those few. Without those
+        # guards nothing tells two engines' graphs apart, and Dynamo keeps graphs per code object:
+        # each instance compiles its own copy of `_forward` (its graphs hold its frozen weights).
+        forward = types.MethodType(_own_code(CompiledDecode._forward), self)
+        self._fn = torch.compile(forward, dynamic=False, mode=mode, options={
             "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        # one graph per batch bucket, each a "recompile" of the same code
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                   len(BATCH_BUCKETS))
         self.batch_sizes: set[int] = set()           # buckets run so far (one compile each)
 
     @staticmethod
