@@ -136,11 +136,6 @@ class ChannelStore:
                                       if chan.sink is not None else ""))
             return chan.values.popleft()
 
-    def peek_all(self, cid: int) -> list[torch.Tensor]:
-        """The queued values, oldest first, without taking them."""
-        with self._lock:
-            return list(self._get(cid).values)
-
     def snapshot(self, cids: list[int]) -> dict[int, list[torch.Tensor]]:
         """The queued values of the channels the device reads (not subscribed ones), to restore."""
         with self._lock:
