@@ -18,11 +18,11 @@ import torch
 
 from ..config import load_config, pick_device, pick_dtype
 from ..kvstore import KVStore, KVStoreError, Mark
+from ..model_store import resolve_model
 from .adapters import AdapterFn, AdapterUse
+from .attention import LanePlan
 from .channels import ChannelError, ChannelStore
 from .eta import EtaError, ProgramCache
-from ..model_store import resolve_model
-from .attention import LanePlan
 from .loader import load_checkpoint
 from .tokenizer import Tokenizer
 from .tp import Comm, TorchDistComm
@@ -76,6 +76,7 @@ class Repeat:
     lengths: list[dict[int, int]] = field(default_factory=list)   # seq -> length
     channels: list[dict] = field(default_factory=list)            # device channels' values
     first: int = 0
+
 
 @dataclass
 class PassRequest:
