@@ -13,13 +13,11 @@ import torch
 
 from .. import protocol
 from .channels import ChannelError, ChannelStore
+from .engine import Epilogue
 from .eta import EtaError, Program
 
 __all__ = ["EpilogueError", "PassEnv", "program_epilogue", "prologue_runner", "adapter_fn", "simple_epilogue",
            "SIMPLE"]
-
-Epilogue = Callable[[torch.Tensor], Any]
-
 
 class EpilogueError(RuntimeError):
     """An epilogue failed on its logits, or returned something that cannot be sent."""

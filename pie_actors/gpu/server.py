@@ -22,9 +22,9 @@ from typing import Any, Callable
 from .. import protocol
 from ..config import load_config
 from ..kvstore import KVStoreError, UnknownSequence
-from .channels import ChannelError
-from .engine import Engine, Epilogue, Lane, PassError, PassRequest, Repeat
 from .adapters import parse_site
+from .channels import ChannelError
+from .engine import Engine, Lane, PassError, PassRequest, Repeat
 from .epilogues import SIMPLE, EpilogueError, adapter_fn, program_epilogue, prologue_runner, simple_epilogue
 from .eta import EtaError, Program
 
@@ -278,31 +278,27 @@ class _Connection:
             raise BadRequest("lanes must be a list of lane maps")
         lanes = [self._lane(i, lane) for i, lane in enumerate(lanes_in)]
         rows = [len(lane.readout) if lane.readout is not None else 1 for lane in lanes]
-        spec = msg["epilogue"]
-        request = PassRequest(lanes, self._epilogue(spec, rows))
-        used = {lane.tokens_from for lane in lanes if lane.tokens_from is not None}
-        if _epilogue_kind(spec) == "program":
-            used |= _channels_of(self._program(spec.get("id")))
+        channels, store = self.channels, self.engine.channels
+        kind = _epilogue_kind(msg["epilogue"])
+        programs = []                     # the pass's eta programs: their channels are its channels
+        if kind == "program":
+            programs.append(self._program(msg["epilogue"].get("id")))
+            request = PassRequest(lanes, program_epilogue(programs[-1], rows, store, channels))
+        else:
+            request = PassRequest(lanes, simple_epilogue(kind))
         if msg.get("prologue") is not None:
-            prologue = self._program(msg["prologue"])
-            request.prologue = prologue_runner(prologue, self.engine.channels, self.channels)
-            used |= _channels_of(prologue)
-        request.channels = sorted(used)
+            programs.append(self._program(msg["prologue"]))
+            request.prologue = prologue_runner(programs[-1], store, channels)
         for site, pid in self._adapters(msg.get("adapters")):
-            program = self._program(pid)
-            request.adapters.append((*site, adapter_fn(program, self.engine.channels, self.channels)))
-            used |= _channels_of(program)
+            programs.append(self._program(pid))
+            request.adapters.append((*site, adapter_fn(programs[-1], store, channels)))
+        used = {lane.tokens_from for lane in lanes if lane.tokens_from is not None}
+        request.channels = sorted(used.union(*map(_channels_of, programs)))
         if msg.get("repeat") is not None:
             request.repeat = self._repeat(msg["repeat"])
             self.repeats[msg["id"]] = request
         self.engine.submit(request).add_done_callback(partial(self._pass_done, msg["id"]))
         return _PENDING
-
-    def _epilogue(self, spec: Any, rows: list[int]) -> Epilogue:
-        kind = _epilogue_kind(spec)
-        if kind != "program":
-            return simple_epilogue(kind)
-        return program_epilogue(self._program(spec.get("id")), rows, self.engine.channels, self.channels)
 
     def _program(self, pid: Any) -> Program:
         if type(pid) is not int or not 0 <= pid < len(self.programs):

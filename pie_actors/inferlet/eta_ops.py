@@ -17,25 +17,16 @@ from __future__ import annotations
 import itertools
 import json
 import threading
-from collections import Counter, deque
+from collections import Counter
 from typing import Any, Callable
 
 from .engine_client import EngineError
-from .host import HostOpError
+from .host import HostOpError, Inbox
 
 __all__ = ["EtaOps"]
 
 FORK_WAIT_S = 600.0     # how long ws.fork waits for the parent's passes to run
 _LANE_KEYS = {"ws", "tokens", "chan", "positions", "slots", "kv_len", "mask", "fold", "readout"}
-
-
-class _HostChannel:
-    """The host's end of a subscribed channel: values pushed by the engine, and guest waiters."""
-
-    def __init__(self) -> None:
-        self.values: deque = deque()
-        self.waiting: deque[int] = deque()
-        self.error: str | None = None
 
 
 def _outputs(out: list) -> Any:
@@ -74,8 +65,7 @@ class EtaOps:
         self._busy_cond = threading.Condition()
         self._programs: dict[str, int] = {}               # IR text -> engine program id
         self._puts: dict[int, set[int]] = {}              # program id -> channels it puts into
-        self._channels: dict[int, _HostChannel] = {}      # subscribed channel -> its host end
-        self._chan_lock = threading.Lock()
+        self._channels: dict[int, Inbox] = {}             # subscribed channel -> the values pushed
         self._runs: dict[int, int] = {}                   # run-ahead handle -> its pass request id
         self._run_ids = itertools.count(1)
         self.passes = 0
@@ -239,10 +229,9 @@ class EtaOps:
 
         def done(fut) -> None:
             self._runs.pop(run, None)
-            with self._chan_lock:                 # values of runs past the stop were never read
-                for cid in puts:
-                    if cid in self._channels:
-                        self._channels[cid].values.clear()
+            for cid in puts:                      # values of runs past the stop were never read
+                if cid in self._channels:
+                    self._channels[cid].clear()
             self._pass_done(fid, fut, int)
 
         self._send_pass(fields, handles, done, started=lambda request_id: self._runs.__setitem__(run, request_id))
@@ -292,69 +281,38 @@ class EtaOps:
         self._wait(self.client.call("chan_put", chan=cid, **fields))
 
     def _chan_take(self, cid) -> Any:
-        with self._chan_lock:
-            chan = self._channels.get(cid)
-            if chan is not None:
-                if chan.error is not None:
-                    raise HostOpError(chan.error)
-                if not chan.values:
-                    raise HostOpError(f"channel {cid} is empty (await take_scalar() waits for a value)")
-                return chan.values.popleft()
-        return self._wait(self.client.call("chan_take", chan=cid))
+        inbox = self._channels.get(cid)
+        if inbox is None:
+            return self._wait(self.client.call("chan_take", chan=cid))
+        try:
+            return inbox.take()
+        except LookupError:
+            raise HostOpError(f"channel {cid} is empty (await take_scalar() waits for a value)") from None
 
     def _chan_take_scalar(self, cid) -> int:
         """A future of the channel's next value (the channel is subscribed on first use)."""
-        fid = self.futures.new()
-        with self._chan_lock:
-            chan = self._channels.get(cid)
-            fresh = chan is None
-            if fresh:
-                chan = self._channels[cid] = _HostChannel()
-            chan.waiting.append(fid)
-            ready = self._drain(chan)
-        if fresh:
-            try:
-                self._wait(self.client.call("chan_subscribe", chan=cid))
-            except HostOpError:
-                with self._chan_lock:
-                    del self._channels[cid]
-                raise
-        self._settle(ready)
+        inbox = self._channels.get(cid)
+        if inbox is not None:
+            return inbox.receive()
+        inbox = self._channels[cid] = Inbox(self.futures, convert=_scalar)
+        fid = inbox.receive()
+        try:
+            self._wait(self.client.call("chan_subscribe", chan=cid))
+        except HostOpError:
+            del self._channels[cid]
+            raise
         return fid
-
-    @staticmethod
-    def _drain(chan: _HostChannel) -> list[tuple[int, Any, str | None]]:
-        """Pair waiting futures with values (or the channel's error); call with the lock held."""
-        ready = []
-        while chan.waiting and (chan.values or chan.error is not None):
-            fid = chan.waiting.popleft()
-            ready.append((fid, None, chan.error) if chan.error is not None else (fid, chan.values.popleft(), None))
-        return ready
-
-    def _settle(self, ready: list[tuple[int, Any, str | None]]) -> None:
-        for fid, value, error in ready:
-            if error is not None:
-                self._complete(fid, error=error)
-            else:
-                try:
-                    self._complete(fid, value=_scalar(value))
-                except HostOpError as e:
-                    self._complete(fid, error=str(e))
 
     def _on_push(self, message: dict) -> None:
         """An engine push (loop thread): a value put into a subscribed channel, or its poisoning."""
-        with self._chan_lock:
-            chan = self._channels.get(message.get("chan"))
-            if chan is None:
-                return
-            if "error" in message:
-                chan.error = f"channel {message['chan']} is poisoned by a failed pass: {message['error']}"
-            else:
-                chan.values.append(message.get("value"))
-            ready = self._drain(chan)
-        self._settle(ready)
+        inbox = self._channels.get(message.get("chan"))
+        if inbox is None:
+            return
+        if "error" in message:
+            inbox.fail(f"channel {message['chan']} is poisoned by a failed pass: {message['error']}")
+        else:
+            inbox.put(message.get("value"))
 
     def _chan_free(self, cid) -> None:
-        with self._chan_lock:
-            self._channels.pop(cid, None)
+        self._channels.pop(cid, None)
         self._wait(self.client.call("chan_free", chan=cid))

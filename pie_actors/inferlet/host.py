@@ -37,11 +37,12 @@ import logging
 import sys
 import threading
 import time
-from typing import Any
+from collections import deque
+from typing import Any, Callable
 
 from .build import Artifact, build_bundle, ensure_runner, new_engine
 
-__all__ = ["Sandbox", "HostApi", "HostOpError", "FutureTable", "InferletError"]
+__all__ = ["Sandbox", "HostApi", "HostOpError", "FutureTable", "Inbox", "InferletError"]
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,78 @@ class FutureTable:
                 if left is not None and left <= 0:
                     return {}
                 self._cond.wait(left)
+
+
+class Inbox:
+    """Items delivered from any thread, matched in order with the guest's receive futures.
+
+    `convert` turns an item into the value a receive future gets (raising fails it). After
+    `fail(message)`, waiting and later receives fail with the message."""
+
+    def __init__(self, futures: FutureTable, convert: Callable[[Any], Any] = lambda item: item) -> None:
+        self.futures, self.convert = futures, convert
+        self._items: deque = deque()            # delivered, not yet received
+        self._waiting: deque[int] = deque()     # receive futures with nothing to get yet
+        self._error: str | None = None
+        self._lock = threading.Lock()
+
+    def put(self, item: Any) -> None:
+        with self._lock:
+            self._items.append(item)
+            ready = self._match()
+        self._settle(ready)
+
+    def fail(self, message: str) -> None:
+        with self._lock:
+            self._error = message
+            ready = self._match()
+        self._settle(ready)
+
+    def receive(self) -> int:
+        """A future id that completes with the next item."""
+        fid = self.futures.new()
+        with self._lock:
+            self._waiting.append(fid)
+            ready = self._match()
+        self._settle(ready)
+        return fid
+
+    def take(self) -> Any:
+        """The next item now: LookupError when none has arrived, HostOpError when the inbox failed."""
+        with self._lock:
+            if self._error is not None:
+                raise HostOpError(self._error)
+            if not self._items:
+                raise LookupError("empty")
+            return self._items.popleft()
+
+    def clear(self) -> None:
+        """Drop the items delivered but not received."""
+        with self._lock:
+            self._items.clear()
+
+    def _match(self) -> list[tuple[int, Any, str | None]]:
+        ready = []
+        while self._waiting and (self._items or self._error is not None):
+            fid = self._waiting.popleft()
+            ready.append((fid, None, self._error) if self._error is not None
+                         else (fid, self._items.popleft(), None))
+        return ready
+
+    def _settle(self, ready: list[tuple[int, Any, str | None]]) -> None:
+        for fid, item, error in ready:
+            try:
+                if error is None:
+                    try:
+                        value = self.convert(item)
+                    except Exception as e:
+                        error = str(e)
+                if error is None:
+                    self.futures.resolve(fid, value)
+                else:
+                    self.futures.fail(fid, error)
+            except KeyError:
+                pass       # the run is over; nobody waits for it
 
 
 class HostApi:

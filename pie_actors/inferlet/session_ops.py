@@ -8,47 +8,11 @@ handed, in order, to the guest's pending `receive` / `receive_file` futures.
 from __future__ import annotations
 
 import base64
-import threading
 from typing import Any, Callable
 
-from .host import FutureTable, HostOpError
+from .host import HostOpError, Inbox
 
-__all__ = ["Inbox", "SessionOps"]
-
-
-class Inbox:
-    """Items delivered from any thread, matched in order with the guest's receive futures."""
-
-    def __init__(self, futures: FutureTable) -> None:
-        self.futures = futures
-        self._items: list[Any] = []         # delivered, not yet received
-        self._waiting: list[int] = []       # receive futures with nothing to get yet
-        self._lock = threading.Lock()
-
-    def put(self, item: Any) -> None:
-        with self._lock:
-            if not self._waiting:
-                self._items.append(item)
-                return
-            fid = self._waiting.pop(0)
-        self._resolve(fid, item)
-
-    def receive(self) -> int:
-        """A future id that completes with the next item."""
-        fid = self.futures.new()
-        with self._lock:
-            if not self._items:
-                self._waiting.append(fid)
-                return fid
-            item = self._items.pop(0)
-        self._resolve(fid, item)
-        return fid
-
-    def _resolve(self, fid: int, item: Any) -> None:
-        try:
-            self.futures.resolve(fid, item)
-        except KeyError:
-            pass           # the run is over; nobody waits for it
+__all__ = ["SessionOps"]
 
 
 def _b64(data: bytes) -> str:
