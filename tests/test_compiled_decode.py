@@ -1,8 +1,10 @@
 """Compiled decode graphs give the eager engine's tokens and logits (tiny model: compiles in seconds)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
+from pie_actors.gpu.attention import FUSED_DECODE_MAX_BATCH
 from pie_actors.gpu.engine import Engine, Lane, PassRequest
 from tests.engine_helpers import save_tiny_model
 
@@ -21,20 +23,25 @@ def _decode_logits(engine: Engine, prompts: list[list[int]], steps: int) -> list
     return out
 
 
-def test_compiled_decode_matches_eager(tmp_path):
+@pytest.mark.parametrize("lengths, bucket", [
+    ((3, 9, 14), 4),                        # decode attention as a fused multiply-sum
+    ((3, 9, 14, 2, 5, 7), 8),               # ... and as batched matmuls
+])
+def test_compiled_decode_matches_eager(tmp_path, lengths, bucket):
+    assert (bucket <= FUSED_DECODE_MAX_BATCH) == (bucket == 4)
     folder = save_tiny_model("qwen3", tmp_path / "m")
     kw = dict(device="cpu", dtype="float32", num_pages=64, page_size=4)
     eager = Engine.from_model(str(folder), compile=False, **kw)
     compiled = Engine.from_model(str(folder), compile=True, **kw)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (3, 9, 14)]   # 3 lanes -> bucket 4
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
     want = _decode_logits(eager, prompts, 12)
     torch._dynamo.utils.counters.clear()
     got = _decode_logits(compiled, prompts, 12)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1    # the KV span grew over 4 pages: no recompile
     for w, c in zip(want, got):
         torch.testing.assert_close(c, w, atol=1e-4, rtol=1e-4)
-    assert compiled.worker.compiled.batch_sizes == {4}       # 3 lanes padded to the bucket of 4
+    assert compiled.worker.compiled.batch_sizes == {bucket}  # lanes padded to the bucket
     compiled.kv.check()
 
 

@@ -102,18 +102,32 @@ def _gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return cache.index_select(1, index.flatten()).view(cache.shape[0], *index.shape, cache.shape[-1])
 
 
+# Under torch.compile, decode batches up to this size take a broadcast multiply-sum form instead of
+# two batched matmuls: inductor fuses it with the RoPE, the KV write and the gathers into one C++ kernel
+# a layer, where each BLAS call costs ~15-50 us of call overhead alone. From batch 8 BLAS is faster
+# (bench/RESULTS.md, "decode attention forms").
+FUSED_DECODE_MAX_BATCH = 4
+
+
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """One query row per lane: q [B, Hq, D], k/v [Hkv, B, S, D], mask [B, 1, 1, S] -> [B, Hq, D].
 
-    Two batched matmuls (over Hkv x B, on the gathered K/V as they are: no copy) and a softmax,
-    instead of SDPA, whose flash kernel has ~70 us of fixed cost a layer for one query row here.
-    (A broadcast-multiply-sum that inductor fuses was faster at batch 1, 40% slower at batch 32.)"""
+    Eager: two batched matmuls (over Hkv x B, on the gathered K/V as they are: no copy) and a softmax,
+    instead of SDPA, whose flash kernel has ~70 us of fixed cost a layer for one query row here."""
     b, hq, d = q.shape
     hkv = k.shape[0]
     qg = q.view(b, hkv, hq // hkv, d).transpose(0, 1)                       # [Hkv, B, G, D]
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * d ** -0.5     # [Hkv, B, G, S]
-    probs = scores.masked_fill(~mask.view(1, b, 1, -1), float("-inf")).softmax(-1).to(v.dtype)
-    return torch.matmul(probs, v).transpose(0, 1).reshape(b, hq, d)
+    fused = torch.compiler.is_compiling() and b <= FUSED_DECODE_MAX_BATCH
+    if fused:
+        scores = (qg.float().unsqueeze(-2) * k.unsqueeze(2).float()).sum(-1)  # [Hkv, B, G, S]
+    else:
+        scores = torch.matmul(qg, k.transpose(-1, -2)).float()
+    probs = (scores * d ** -0.5).masked_fill(~mask.view(1, b, 1, -1), float("-inf")).softmax(-1)
+    if fused:
+        o = (probs.unsqueeze(-1) * v.unsqueeze(2).float()).sum(-2).to(v.dtype)   # [Hkv, B, G, D]
+    else:
+        o = torch.matmul(probs.to(v.dtype), v)
+    return o.transpose(0, 1).reshape(b, hq, d)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
