@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pie_actors.gpu.attention import FUSED_DECODE_MAX_BATCH
+from pie_actors.gpu.compiled_decode import FUSED_ATTENTION_MAX_BATCH
 from pie_actors.gpu.engine import Engine, Lane, PassRequest
 from tests.engine_helpers import save_tiny_model
 
@@ -28,7 +28,7 @@ def _decode_logits(engine: Engine, prompts: list[list[int]], steps: int) -> list
     ((3, 9, 14, 2, 5, 7), 8),               # ... and as batched matmuls
 ])
 def test_compiled_decode_matches_eager(tmp_path, lengths, bucket):
-    assert (bucket <= FUSED_DECODE_MAX_BATCH) == (bucket == 4)
+    assert (bucket <= FUSED_ATTENTION_MAX_BATCH) == (bucket == 4)
     folder = save_tiny_model("qwen3", tmp_path / "m")
     kw = dict(device="cpu", dtype="float32", num_pages=64, page_size=4)
     eager = Engine.from_model(str(folder), compile=False, **kw)

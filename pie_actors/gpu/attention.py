@@ -58,6 +58,9 @@ class AttentionMetadata:
     page_size: int
     decode: _Group | None = None
     singles: list[_Single] = field(default_factory=list)
+    # CPU decode attention as multiply-sums that inductor fuses with the RoPE, the KV write and the
+    # gathers into one kernel a layer; set by compiled_decode.py for small batches only.
+    fused_decode: bool = False
 
     @classmethod
     def build(cls, lanes: list[LanePlan], write_slots: list[int], page_size: int,
@@ -102,22 +105,17 @@ def _gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return cache.index_select(1, index.flatten()).view(cache.shape[0], *index.shape, cache.shape[-1])
 
 
-# Under torch.compile, decode batches up to this size take a broadcast multiply-sum form instead of
-# two batched matmuls: inductor fuses it with the RoPE, the KV write and the gathers into one C++ kernel
-# a layer, where each BLAS call costs ~15-50 us of call overhead alone. From batch 8 BLAS is faster
-# (bench/RESULTS.md, "decode attention forms").
-FUSED_DECODE_MAX_BATCH = 4
-
-
-def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      fused: bool) -> torch.Tensor:
     """One query row per lane: q [B, Hq, D], k/v [Hkv, B, S, D], mask [B, 1, 1, S] -> [B, Hq, D].
 
-    Eager: two batched matmuls (over Hkv x B, on the gathered K/V as they are: no copy) and a softmax,
-    instead of SDPA, whose flash kernel has ~70 us of fixed cost a layer for one query row here."""
+    Two batched matmuls (over Hkv x B, on the gathered K/V as they are: no copy) and a softmax,
+    instead of SDPA, whose flash kernel has ~70 us of fixed cost a layer for one query row here.
+    `fused`: broadcast multiply-sums instead of the matmuls, for torch.compile to fuse (see
+    `AttentionMetadata.fused_decode`)."""
     b, hq, d = q.shape
     hkv = k.shape[0]
     qg = q.view(b, hkv, hq // hkv, d).transpose(0, 1)                       # [Hkv, B, G, D]
-    fused = torch.compiler.is_compiling() and b <= FUSED_DECODE_MAX_BATCH
     if fused:
         scores = (qg.float().unsqueeze(-2) * k.unsqueeze(2).float()).sum(-1)  # [Hkv, B, G, S]
     else:
@@ -147,7 +145,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if q.is_cuda and paged_decode_attention is not None:
             o = paged_decode_attention(qd, k_cache, v_cache, g.pages, g.lengths, page_size=meta.page_size)
         else:
-            o = _decode_attention(qd, _gather(k_cache, g.index), _gather(v_cache, g.index), g.mask)
+            o = _decode_attention(qd, _gather(k_cache, g.index), _gather(v_cache, g.index), g.mask,
+                                  meta.fused_decode)
         out.index_copy_(0, g.rows, o)
     for s in meta.singles:
         # Batched 4-D inputs: CPU SDPA takes its flash kernel only for those (3-D: the math path, 3x slower).

@@ -16,6 +16,10 @@ from .attention import AttentionMetadata, LanePlan
 from .models import LlamaModel
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Decode attention takes the fused multiply-sum form (attention.py) up to this batch: one inductor
+# kernel a layer, where each of the two BLAS calls costs ~15-50 us in overhead alone. From batch 8
+# the BLAS calls are faster (bench/RESULTS.md, "compiled decode forms").
+FUSED_ATTENTION_MAX_BATCH = 4
 
 
 def _own_code(fn: types.FunctionType) -> types.FunctionType:
@@ -26,9 +30,12 @@ def _own_code(fn: types.FunctionType) -> types.FunctionType:
 
 class CompiledDecode:
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 page_size: int, scratch_page: int):
+                 page_size: int, scratch_page: int, *, gemm_autotune: bool = True,
+                 fused_attention_max_batch: int = FUSED_ATTENTION_MAX_BATCH):
+        """`gemm_autotune` and `fused_attention_max_batch` are for benchmarks (bench/decode_forms.py)."""
         self.model, self.kv_caches, self.page_size = model, kv_caches, page_size
         self.scratch_page = scratch_page
+        self.fused_attention_max_batch = fused_attention_max_batch
         self.device = kv_caches[0][0].device
         # The model's modules never change after loading, so their guards are pure per-call cost
         # (~0.8 ms a step here); tensor shape guards stay, and buckets keep those few. Without those
@@ -36,11 +43,12 @@ class CompiledDecode:
         # each instance compiles its own copy of `_forward` (its graphs hold its frozen weights).
         forward = types.MethodType(_own_code(CompiledDecode._forward), self)
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and gemm_autotune:
             # Inductor's own C++ GEMM template (AMX/AVX-512 micro-kernels on the frozen, prepacked
             # weights, the residual add and the next norm fused in) reads a batch-1 step's weights
             # ~1.5x faster than oneDNN's prepacked GEMV here; autotuning measures both per shape and
-            # keeps the faster, at ~20 s more per bucket's compile (bench/RESULTS.md).
+            # keeps the faster, at ~20 s more per bucket's compile (bench/RESULTS.md, "compiled
+            # decode forms").
             options |= {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
         self._fn = torch.compile(forward, dynamic=False, options=options)
         # one graph per batch bucket, each a "recompile" of the same code
@@ -64,6 +72,7 @@ class CompiledDecode:
         padding = [LanePlan(i, 1, [self.scratch_page], 1) for i in range(n, batch)]
         meta = AttentionMetadata.build(lanes + padding, write_slots + [scratch_slot] * len(padding),
                                        self.page_size, self.device)
+        meta.fused_decode = batch <= self.fused_attention_max_batch
         torch._dynamo.mark_dynamic(meta.decode.index, 1)
         torch._dynamo.mark_dynamic(meta.decode.mask, 3)
         torch._dynamo.mark_dynamic(meta.decode.pages, 1)

@@ -1,0 +1,87 @@
+"""Compiled decode variants side by side (issue 2): the GEMMs by inductor's C++ template (autotuned
+against oneDNN) or by oneDNN alone, and decode attention as fused multiply-sums or as batched matmuls.
+
+    python bench/decode_forms.py [--batches 1,8,32] [--tokens 64] [--rounds 3] [--out bench/RESULTS.md --title "..."]
+
+Each variant is an engine of its own (compiled graphs hold their frozen weights). Every round decodes
+once with every variant at every batch size, so load drift hits them alike; tokens/s are decode only
+(from each sequence's first token to the batch's last). Compiling takes most of the run: a minute or
+more per variant and batch size on 2 cores.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+from report import publish
+
+from pie_actors.gpu.compiled_decode import BATCH_BUCKETS, CompiledDecode
+from pie_actors.gpu.engine import Engine
+
+PROMPT = "The capital of France is"
+VARIANTS = {
+    "C++ GEMM, fused attention to batch 4 (default)": {},
+    "oneDNN GEMM, fused attention to batch 4": {"gemm_autotune": False},
+    "C++ GEMM, attention as matmuls": {"fused_attention_max_batch": 0},
+    "C++ GEMM, fused attention at every batch": {"fused_attention_max_batch": BATCH_BUCKETS[-1]},
+}
+
+
+def variant_engine(threads: int, options: dict) -> Engine:
+    engine = Engine.from_model("smollm2-135m-instruct", device="cpu", dtype="bfloat16", compile=True,
+                               num_threads=threads)
+    w = engine.worker
+    w.compiled = CompiledDecode(w.model, w.kv_caches, w.page_size, w.compiled.scratch_page, **options)
+    return engine
+
+
+def decode_tps(engine: Engine, prompts: list[list[int]], tokens: int) -> float:
+    arrivals: list[float] = []
+    engine.generate(prompts, tokens, ignore_eos=True, on_token=lambda _, __: arrivals.append(time.perf_counter()))
+    first_step = arrivals[len(prompts) - 1]            # every sequence has its first token
+    return len(prompts) * (tokens - 1) / (arrivals[-1] - first_step)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", help="append the table to this markdown file")
+    parser.add_argument("--title", default="compiled decode forms")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+
+    engines = {name: variant_engine(args.threads, options) for name, options in VARIANTS.items()}
+    prompt = next(iter(engines.values())).tokenizer.encode(PROMPT)
+    prompts = {b: [prompt + [i] for i in range(b)] for b in batches}
+    compile_s = {name: 0.0 for name in engines}
+    for name, engine in engines.items():
+        for b in batches:                             # the first call at a batch size compiles its bucket
+            t = time.perf_counter()
+            engine.generate(prompts[b], 4, ignore_eos=True)
+            compile_s[name] += time.perf_counter() - t
+    speeds = {(name, b): [] for name in engines for b in batches}
+    for _ in range(args.rounds):
+        for b in batches:
+            for name, engine in engines.items():
+                speeds[name, b].append(decode_tps(engine, prompts[b], args.tokens))
+
+    default = next(iter(engines))
+    medians = {key: statistics.median(values) for key, values in speeds.items()}
+    rows = ["| variant | " + " | ".join(f"batch {b} tok/s (x default)" for b in batches) + " | compile s |",
+            "|---|" + "---|" * (len(batches) + 1)]
+    for name in engines:
+        cells = [f"{medians[name, b]:.1f} ({medians[name, b] / medians[default, b]:.2f}x)" for b in batches]
+        rows.append(f"| {name} | " + " | ".join(cells) + f" | {compile_s[name]:.0f} |")
+    env = (f"bf16 default model, {args.tokens} tokens a sequence, decode only, {args.threads} threads, "
+           f"median of {args.rounds} interleaved rounds; compile s: the first call at each batch size; "
+           f"1-min load average {os.getloadavg()[0]:.1f} at the end")
+    publish(env, "\n".join(rows) + "\n", args.out, args.title)
+
+
+if __name__ == "__main__":
+    main()
