@@ -1,4 +1,4 @@
-"""The CUDA paged decode kernel equals the CPU gather path, checked with Triton's interpreter.
+"""The CUDA paged decode kernel equals both forms of the CPU gather path, checked with Triton's interpreter.
 
 TRITON_INTERPRET must be set before Triton is imported, so the check runs in a fresh interpreter.
 """
@@ -25,10 +25,11 @@ CHECK = textwrap.dedent("""
                  LanePlan(3, 1, [6, 10], 8, q_slots=[5])]   # explicit slot: attends slots 0..5 only
         meta = AttentionMetadata.build(lanes, [0, 1, 2, 3], page, torch.device("cpu"))
         q = torch.randn(len(lanes), hq, d, generator=g)
-        want = _decode_attention(q, _gather(k, meta.decode.index), _gather(v, meta.decode.index),
-                                 meta.decode.mask)
         got = paged_decode_attention(q, k, v, meta.decode.pages, meta.decode.lengths, page)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        for fused in (False, True):                    # both CPU forms: matmuls and multiply-sums
+            want = _decode_attention(q, _gather(k, meta.decode.index), _gather(v, meta.decode.index),
+                                     meta.decode.mask, fused)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     print("ok")
 """)
 
