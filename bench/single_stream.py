@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 from baselines import llama_cpp_generate, llama_cpp_model
+from decode_forms import decode_tps
 from gguf_variants import variant
 from report import publish
 
@@ -39,9 +39,7 @@ def main() -> None:
     n = args.tokens
 
     def engine_tps() -> float:        # decode only, like llama_tps: from the first token to the last
-        arrivals: list[float] = []
-        engine.generate([prompt], n, ignore_eos=True, on_token=lambda _, __: arrivals.append(time.perf_counter()))
-        return (n - 1) / (arrivals[-1] - arrivals[0])
+        return decode_tps(engine, [prompt], n)
 
     def llama_tps() -> float:
         _, _, decode_s = llama_cpp_generate(llm, prompt, n)
