@@ -1,5 +1,6 @@
 """Compiled decode variants side by side (issue 2): the GEMMs by inductor's C++ template (autotuned
-against oneDNN) or by oneDNN alone, and decode attention as fused multiply-sums or as batched matmuls.
+against oneDNN) or by oneDNN alone, and decode attention's scores and P·V as fused multiply-sums or
+as batched matmuls.
 
     python bench/decode_forms.py [--batches 1,8,32] [--tokens 64] [--rounds 3] [--out bench/RESULTS.md --title "..."]
 
@@ -22,10 +23,11 @@ from pie_actors.gpu.engine import Engine
 
 PROMPT = "The capital of France is"
 VARIANTS = {
-    "C++ GEMM, fused attention to batch 4 (default)": {},
-    "oneDNN GEMM, fused attention to batch 4": {"gemm_autotune": False},
-    "C++ GEMM, attention as matmuls": {"fused_attention_max_batch": 0},
-    "C++ GEMM, fused attention at every batch": {"fused_attention_max_batch": BATCH_BUCKETS[-1]},
+    "C++ GEMM, attention fused at batch 1, scores fused above (default)": {},
+    "oneDNN GEMM, attention as default": {"gemm_autotune": False},
+    "C++ GEMM, attention as matmuls": {"fused_scores": False, "fused_attention_max_batch": 0},
+    "C++ GEMM, scores fused, P·V matmul at batch 1 too": {"fused_attention_max_batch": 0},
+    "C++ GEMM, attention fused at every batch": {"fused_attention_max_batch": BATCH_BUCKETS[-1]},
 }
 
 

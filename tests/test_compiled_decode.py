@@ -24,11 +24,11 @@ def _decode_logits(engine: Engine, prompts: list[list[int]], steps: int) -> list
 
 
 @pytest.mark.parametrize("lengths, bucket", [
-    ((3, 9, 14), 4),                        # decode attention as a fused multiply-sum
-    ((3, 9, 14, 2, 5, 7), 8),               # ... and as batched matmuls
+    ((9,), 1),                              # decode attention as multiply-sums
+    ((3, 9, 14), 4),                        # scores as multiply-sums, P·V a batched matmul
 ])
 def test_compiled_decode_matches_eager(tmp_path, lengths, bucket):
-    assert (bucket <= FUSED_ATTENTION_MAX_BATCH) == (bucket == 4)
+    assert (bucket <= FUSED_ATTENTION_MAX_BATCH) == (bucket == 1)
     folder = save_tiny_model("qwen3", tmp_path / "m")
     kw = dict(device="cpu", dtype="float32", num_pages=64, page_size=4)
     eager = Engine.from_model(str(folder), compile=False, **kw)

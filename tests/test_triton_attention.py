@@ -1,4 +1,4 @@
-"""The CUDA paged decode kernel equals both forms of the CPU gather path, checked with Triton's interpreter.
+"""The CUDA paged decode kernel equals every form of the CPU gather path, checked with Triton's interpreter.
 
 TRITON_INTERPRET must be set before Triton is imported, so the check runs in a fresh interpreter.
 """
@@ -26,9 +26,9 @@ CHECK = textwrap.dedent("""
         meta = AttentionMetadata.build(lanes, [0, 1, 2, 3], page, torch.device("cpu"))
         q = torch.randn(len(lanes), hq, d, generator=g)
         got = paged_decode_attention(q, k, v, meta.decode.pages, meta.decode.lengths, page)
-        for fused in (False, True):                    # both CPU forms: matmuls and multiply-sums
+        for form in ("matmul", "fused_scores", "fused"):   # every CPU form
             want = _decode_attention(q, _gather(k, meta.decode.index), _gather(v, meta.decode.index),
-                                     meta.decode.mask, fused)
+                                     meta.decode.mask, form)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     print("ok")
 """)

@@ -58,9 +58,9 @@ class AttentionMetadata:
     page_size: int
     decode: _Group | None = None
     singles: list[_Single] = field(default_factory=list)
-    # CPU decode attention as multiply-sums that inductor fuses with the RoPE, the KV write and the
-    # gathers into one kernel a layer; set by compiled_decode.py for small batches only.
-    fused_decode: bool = False
+    # How CPU decode attention is computed (`_decode_attention`): compiled_decode.py picks a fused form,
+    # which inductor fuses with the RoPE, the KV write and the K gather into one kernel a layer.
+    decode_form: str = "matmul"
 
     @classmethod
     def build(cls, lanes: list[LanePlan], write_slots: list[int], page_size: int,
@@ -106,22 +106,22 @@ def _gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                      fused: bool) -> torch.Tensor:
+                      form: str = "matmul") -> torch.Tensor:
     """One query row per lane: q [B, Hq, D], k/v [Hkv, B, S, D], mask [B, 1, 1, S] -> [B, Hq, D].
 
-    Two batched matmuls (over Hkv x B, on the gathered K/V as they are: no copy) and a softmax,
-    instead of SDPA, whose flash kernel has ~70 us of fixed cost a layer for one query row here.
-    `fused`: broadcast multiply-sums instead of the matmuls, for torch.compile to fuse (see
-    `AttentionMetadata.fused_decode`)."""
+    "matmul": two batched matmuls (over Hkv x B, on the gathered K/V as they are: no copy) and a
+    softmax, instead of SDPA, whose flash kernel has ~70 us of fixed cost a layer for one query row.
+    "fused_scores" / "fused": the scores / also P·V as broadcast multiply-sums, for torch.compile to
+    fuse (see `AttentionMetadata.decode_form`)."""
     b, hq, d = q.shape
     hkv = k.shape[0]
     qg = q.view(b, hkv, hq // hkv, d).transpose(0, 1)                       # [Hkv, B, G, D]
-    if fused:
-        scores = (qg.float().unsqueeze(-2) * k.unsqueeze(2).float()).sum(-1)  # [Hkv, B, G, S]
-    else:
+    if form == "matmul":
         scores = torch.matmul(qg, k.transpose(-1, -2)).float()
+    else:
+        scores = (qg.float().unsqueeze(-2) * k.unsqueeze(2).float()).sum(-1)  # [Hkv, B, G, S]
     probs = (scores * d ** -0.5).masked_fill(~mask.view(1, b, 1, -1), float("-inf")).softmax(-1)
-    if fused:
+    if form == "fused":
         o = (probs.unsqueeze(-1) * v.unsqueeze(2).float()).sum(-2).to(v.dtype)   # [Hkv, B, G, D]
     else:
         o = torch.matmul(probs.to(v.dtype), v)
@@ -146,7 +146,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             o = paged_decode_attention(qd, k_cache, v_cache, g.pages, g.lengths, page_size=meta.page_size)
         else:
             o = _decode_attention(qd, _gather(k_cache, g.index), _gather(v_cache, g.index), g.mask,
-                                  meta.fused_decode)
+                                  meta.decode_form)
         out.index_copy_(0, g.rows, o)
     for s in meta.singles:
         # Batched 4-D inputs: CPU SDPA takes its flash kernel only for those (3-D: the math path, 3x slower).

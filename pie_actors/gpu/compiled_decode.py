@@ -16,10 +16,11 @@ from .attention import AttentionMetadata, LanePlan
 from .models import LlamaModel
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# Decode attention takes the fused multiply-sum form (attention.py) up to this batch: one inductor
-# kernel a layer, where each of the two BLAS calls costs ~15-50 us in overhead alone. From batch 8
-# the BLAS calls are faster (bench/RESULTS.md, "compiled decode forms").
-FUSED_ATTENTION_MAX_BATCH = 4
+# Decode attention's scores are broadcast multiply-sums, which inductor fuses with the RoPE, the KV
+# write and the K gather into one kernel a layer (a BLAS call costs ~15-50 us in overhead alone);
+# P·V is one too up to this batch, a batched matmul above it, where inductor's P·V reduction (over
+# the span, with scalar gathers) falls behind (bench/RESULTS.md, "compiled decode forms").
+FUSED_ATTENTION_MAX_BATCH = 1
 
 
 def _own_code(fn: types.FunctionType) -> types.FunctionType:
@@ -30,12 +31,12 @@ def _own_code(fn: types.FunctionType) -> types.FunctionType:
 
 class CompiledDecode:
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 page_size: int, scratch_page: int, *, gemm_autotune: bool = True,
+                 page_size: int, scratch_page: int, *, gemm_autotune: bool = True, fused_scores: bool = True,
                  fused_attention_max_batch: int = FUSED_ATTENTION_MAX_BATCH):
-        """`gemm_autotune` and `fused_attention_max_batch` are for benchmarks (bench/decode_forms.py)."""
+        """The keyword arguments are for benchmarks (bench/decode_forms.py)."""
         self.model, self.kv_caches, self.page_size = model, kv_caches, page_size
         self.scratch_page = scratch_page
-        self.fused_attention_max_batch = fused_attention_max_batch
+        self.fused_scores, self.fused_attention_max_batch = fused_scores, fused_attention_max_batch
         self.device = kv_caches[0][0].device
         # The model's modules never change after loading, so their guards are pure per-call cost
         # (~0.8 ms a step here); tensor shape guards stay, and buckets keep those few. Without those
@@ -72,7 +73,8 @@ class CompiledDecode:
         padding = [LanePlan(i, 1, [self.scratch_page], 1) for i in range(n, batch)]
         meta = AttentionMetadata.build(lanes + padding, write_slots + [scratch_slot] * len(padding),
                                        self.page_size, self.device)
-        meta.fused_decode = batch <= self.fused_attention_max_batch
+        meta.decode_form = ("fused" if batch <= self.fused_attention_max_batch
+                            else "fused_scores" if self.fused_scores else "matmul")
         torch._dynamo.mark_dynamic(meta.decode.index, 1)
         torch._dynamo.mark_dynamic(meta.decode.mask, 3)
         torch._dynamo.mark_dynamic(meta.decode.pages, 1)
