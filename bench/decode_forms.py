@@ -1,6 +1,6 @@
 """Compiled decode variants side by side (issue 2): the GEMMs by inductor's C++ template (autotuned
-against oneDNN) or by oneDNN alone, and decode attention's scores and P·V as fused multiply-sums or
-as batched matmuls.
+against oneDNN) or by oneDNN alone, and decode attention by the C++ paged kernel, as fused
+multiply-sums or as batched matmuls.
 
     python bench/decode_forms.py [--batches 1,8,32] [--tokens 64] [--rounds 3] [--out bench/RESULTS.md --title "..."]
 
@@ -18,16 +18,16 @@ import time
 
 from report import publish
 
-from pie_actors.gpu.compiled_decode import BATCH_BUCKETS, CompiledDecode
+from pie_actors.gpu.compiled_decode import CompiledDecode
 from pie_actors.gpu.engine import Engine
 
 PROMPT = "The capital of France is"
 VARIANTS = {
-    "C++ GEMM, attention fused at batch 1, scores fused above (default)": {},
+    "C++ GEMM, attention fused at batch 1, C++ kernel above (default)": {},
     "oneDNN GEMM, attention as default": {"gemm_autotune": False},
-    "C++ GEMM, attention as matmuls": {"fused_scores": False, "fused_attention_max_batch": 0},
-    "C++ GEMM, scores fused, P·V matmul at batch 1 too": {"fused_attention_max_batch": 0},
-    "C++ GEMM, attention fused at every batch": {"fused_attention_max_batch": BATCH_BUCKETS[-1]},
+    "C++ GEMM, C++ attention kernel at batch 1 too": {"fused_attention_max_batch": 0},
+    "C++ GEMM, attention scores fused above batch 1, P·V matmul": {"batch_form": "fused_scores"},
+    "C++ GEMM, attention as matmuls": {"batch_form": "matmul", "fused_attention_max_batch": 0},
 }
 
 
@@ -35,6 +35,7 @@ def variant_engine(threads: int, options: dict) -> Engine:
     engine = Engine.from_model("smollm2-135m-instruct", device="cpu", dtype="bfloat16", compile=True,
                                num_threads=threads)
     w = engine.worker
+    options = {"batch_form": w.compiled.batch_form, **options}
     w.compiled = CompiledDecode(w.model, w.kv_caches, w.page_size, w.compiled.scratch_page, **options)
     return engine
 

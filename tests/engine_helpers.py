@@ -16,8 +16,8 @@ def save_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
     """A randomly initialised Llama/Qwen2/Qwen3-shaped model written as a Hugging Face folder."""
     import transformers
     torch.manual_seed(seed)
-    if family == "qwen3":
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=32, **TINY))
+    if family == "qwen3":           # head_dim 64: a size the CPU attention kernel serves
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=64, **TINY))
     elif family == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TINY))
     else:

@@ -3,8 +3,8 @@
 The KV cache of one layer is a tensor [kv_heads, num_slots, head_dim] where slot = page * page_size + offset
 (head-major: a gather along slots comes out in the [heads, rows, dim] layout attention multiplies with).
 A batch mixes lanes of any length. Single-row lanes without a custom mask (decode) are served
-together: on the CPU their pages are gathered into one padded tensor for two batched matmuls, on CUDA
-a Triton kernel reads the pages in place. Longer lanes (prefill, drafts) get one SDPA call each. The
+together by a kernel that reads their pages in place (C++ on the CPU, Triton on CUDA); where the C++
+kernel cannot be built, their pages are gathered into one padded tensor for torch ops. Longer lanes (prefill, drafts) get one SDPA call each. The
 gather indices and masks are built once per batch (`AttentionMetadata.build`) and reused by every layer.
 """
 from __future__ import annotations
@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from . import cpu_attention
 
 try:                                      # Triton ships with CUDA builds of torch
     from .triton_attention import paged_decode_attention
@@ -58,15 +60,16 @@ class AttentionMetadata:
     page_size: int
     decode: _Group | None = None
     singles: list[_Single] = field(default_factory=list)
-    # How CPU decode attention is computed (`_decode_attention`): compiled_decode.py picks a fused form,
-    # which inductor fuses with the RoPE, the KV write and the K gather into one kernel a layer.
+    # How CPU decode attention is computed: "kernel" (cpu_attention.py), or a torch form of
+    # `_decode_attention`, which compiled_decode.py may pick for inductor to fuse.
     decode_form: str = "matmul"
 
     @classmethod
     def build(cls, lanes: list[LanePlan], write_slots: list[int], page_size: int,
-              device: torch.device) -> "AttentionMetadata":
+              device: torch.device, decode_form: str = "matmul") -> "AttentionMetadata":
         """Gather indices and masks for a batch, built once and used by every layer."""
-        meta = cls(torch.tensor(write_slots, dtype=torch.long, device=device), page_size)
+        meta = cls(torch.tensor(write_slots, dtype=torch.long, device=device), page_size,
+                   decode_form=decode_form)
         offsets = torch.arange(page_size, device=device)
         decode = [l for l in lanes if l.q_len == 1 and l.mask is None]
         if decode:
@@ -144,6 +147,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         qd = q.index_select(0, g.rows)
         if q.is_cuda and paged_decode_attention is not None:
             o = paged_decode_attention(qd, k_cache, v_cache, g.pages, g.lengths, page_size=meta.page_size)
+        elif meta.decode_form == "kernel":
+            o = cpu_attention.paged_decode_attention(qd, k_cache, v_cache, g.pages, g.lengths, meta.page_size)
         else:
             o = _decode_attention(qd, _gather(k_cache, g.index), _gather(v_cache, g.index), g.mask,
                                   meta.decode_form)

@@ -16,10 +16,10 @@ from .attention import AttentionMetadata, LanePlan
 from .models import LlamaModel
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# Decode attention's scores are broadcast multiply-sums, which inductor fuses with the RoPE, the KV
-# write and the K gather into one kernel a layer (a BLAS call costs ~15-50 us in overhead alone);
-# P·V is one too up to this batch, a batched matmul above it, where inductor's P·V reduction (over
-# the span, with scalar gathers) falls behind (bench/RESULTS.md, "compiled decode forms").
+# Up to this batch, decode attention is broadcast multiply-sums, which inductor fuses with the RoPE,
+# the KV write and the K gather into one kernel a layer; above it, the worker's batch form (the C++
+# paged kernel where it builds), which reads the pages in place and beats inductor's reductions as
+# lanes add up (bench/RESULTS.md, "compiled decode forms").
 FUSED_ATTENTION_MAX_BATCH = 1
 
 
@@ -31,12 +31,14 @@ def _own_code(fn: types.FunctionType) -> types.FunctionType:
 
 class CompiledDecode:
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 page_size: int, scratch_page: int, *, gemm_autotune: bool = True, fused_scores: bool = True,
-                 fused_attention_max_batch: int = FUSED_ATTENTION_MAX_BATCH):
-        """The keyword arguments are for benchmarks (bench/decode_forms.py)."""
+                 page_size: int, scratch_page: int, *, batch_form: str = "fused_scores",
+                 gemm_autotune: bool = True, fused_attention_max_batch: int = FUSED_ATTENTION_MAX_BATCH):
+        """`batch_form`: the decode attention form (`AttentionMetadata.decode_form`) of batches above
+        `fused_attention_max_batch`. The other keyword arguments are for benchmarks
+        (bench/decode_forms.py)."""
         self.model, self.kv_caches, self.page_size = model, kv_caches, page_size
         self.scratch_page = scratch_page
-        self.fused_scores, self.fused_attention_max_batch = fused_scores, fused_attention_max_batch
+        self.batch_form, self.fused_attention_max_batch = batch_form, fused_attention_max_batch
         self.device = kv_caches[0][0].device
         # The model's modules never change after loading, so their guards are pure per-call cost
         # (~0.8 ms a step here); tensor shape guards stay, and buckets keep those few. Without those
@@ -71,10 +73,13 @@ class CompiledDecode:
         batch = next(b for b in BATCH_BUCKETS if b >= n)
         scratch_slot = self.scratch_page * self.page_size
         padding = [LanePlan(i, 1, [self.scratch_page], 1) for i in range(n, batch)]
+        form = "fused" if batch <= self.fused_attention_max_batch else self.batch_form
         meta = AttentionMetadata.build(lanes + padding, write_slots + [scratch_slot] * len(padding),
-                                       self.page_size, self.device)
-        meta.decode_form = ("fused" if batch <= self.fused_attention_max_batch
-                            else "fused_scores" if self.fused_scores else "matmul")
+                                       self.page_size, self.device, form)
+        if meta.decode.pages.shape[1] == 1:
+            # Dynamo specializes a dimension of size 1: one page column more (never read, as the
+            # lengths end before it) keeps the first page's steps on the same graph as the rest.
+            meta.decode.pages = torch.nn.functional.pad(meta.decode.pages, (0, 1))
         torch._dynamo.mark_dynamic(meta.decode.index, 1)
         torch._dynamo.mark_dynamic(meta.decode.mask, 3)
         torch._dynamo.mark_dynamic(meta.decode.pages, 1)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from . import cpu_attention
 from .adapters import AdapterUse
 from .attention import AttentionMetadata, LanePlan
 from .compiled_decode import CompiledDecode
@@ -63,7 +64,12 @@ class Worker:
         self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
                            torch.zeros(shape, dtype=dtype, device=device))
                           for _ in range(self.cfg.num_layers)]
-        self.compiled = CompiledDecode(self.model, self.kv_caches, page_size, num_pages) if compile else None
+        # decode attention: the C++ kernel on the CPU where it builds (cpu_attention.py)
+        use_kernel = device.type == "cpu" and self.cfg.head_dim in cpu_attention.HEAD_DIMS and cpu_attention.load()
+        self.decode_form = "kernel" if use_kernel else "matmul"
+        self.compiled = (CompiledDecode(self.model, self.kv_caches, page_size, num_pages,
+                                        batch_form="kernel" if use_kernel else "fused_scores")
+                         if compile else None)
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> torch.Tensor:
@@ -78,7 +84,7 @@ class Worker:
         dev = self.device
         ids = torch.tensor(plan.input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(plan.positions, dtype=torch.long, device=dev)
-        meta = AttentionMetadata.build(plan.lanes, plan.write_slots, self.page_size, dev)
+        meta = AttentionMetadata.build(plan.lanes, plan.write_slots, self.page_size, dev, self.decode_form)
         hidden = self.model(ids, pos, self.kv_caches, meta, plan.adapters)
         rows = torch.tensor(plan.readout, dtype=torch.long, device=dev)
         return self.model.logits(hidden.index_select(0, rows))

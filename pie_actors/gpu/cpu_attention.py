@@ -1,0 +1,51 @@
+"""Paged decode attention on the CPU: the C++ kernel in csrc/paged_decode.cpp, built at first use.
+
+The kernel reads each lane's K and V pages where they lie, the CPU counterpart of the Triton kernel
+(triton_attention.py). It is compiled once per machine with torch's extension builder (g++ and ninja,
+~25 s; cached under ~/.cache/torch_extensions) for the host's vector ISA. Where it cannot be built,
+`load` says why once and returns False, and attention.py keeps its torch forms.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+HEAD_DIMS = (64, 128)                   # the kernel's compiled head sizes
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_loaded: bool | None = None             # None: not tried yet
+
+
+def load() -> bool:
+    """Build (or load the cached build of) the kernel; True when `paged_decode_attention` can run."""
+    global _loaded
+    if _loaded is None:
+        try:
+            from torch.utils.cpp_extension import load as load_extension
+            # -march=native: the cache directory is per ISA level, so a home shared by different
+            # machines does not hand one machine another's instructions.
+            isa = torch.backends.cpu.get_cpu_capability().lower()
+            load_extension(f"pie_cpu_attention_{isa}", [str(_SOURCE)], is_python_module=False,
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+            torch.library.register_fake("pie_cpu::paged_decode_attention")(_fake)
+            _loaded = True
+        except Exception as e:          # no compiler, no ninja, an unsupported platform
+            log.warning("CPU paged attention kernel unavailable, using torch ops instead: %s", e)
+            _loaded = False
+    return _loaded
+
+
+def _fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
+          lengths: torch.Tensor, page_size: int, scale: float) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
+                           lengths: torch.Tensor, page_size: int) -> torch.Tensor:
+    """q [B, Hq, D]; caches [Hkv, slots, D]; pages [B, P] int64 (a lane's page table, padded);
+    lengths [B] int32 (slots attended). Returns [B, Hq, D]. Call `load` first."""
+    return torch.ops.pie_cpu.paged_decode_attention(q, k_cache, v_cache, pages, lengths, page_size,
+                                                    q.shape[-1] ** -0.5)
