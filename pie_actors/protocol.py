@@ -92,7 +92,7 @@ class SeqState(TypedDict):
 
 
 class Stats(TypedDict):
-    batch_sizes: dict[int, int]   # passes per batch -> batches run
+    batch_sizes: dict[int, int]   # lanes per batch -> batches run
     kv: dict[str, int]            # total, free, referenced, cached pages
     connections: int
     sequences: int                # owned by open connections

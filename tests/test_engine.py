@@ -44,6 +44,16 @@ def test_batch_invariance(engine):
     assert sum(engine.batch_sizes.values()) - before == 16      # one batch per decoding step
 
 
+def test_generate_keeps_batches_within_the_token_budget(engine, default_model_dir):
+    """generate packs lanes into passes of at most max_batch_tokens: long prompts prefill over
+    several batches, their decode steps share one."""
+    small = make_engine(default_model_dir, num_pages=64, max_batch_tokens=16)
+    prompts = [engine.tokenizer.encode(p * 3)[:10] for p in PROMPTS[:3]]
+    assert small.generate(prompts, 4, ignore_eos=True) == engine.generate(prompts, 4, ignore_eos=True)
+    assert small.batch_sizes == {1: 3, 3: 3}      # three 10-token prefills alone, then 3 steps of 3 lanes
+    small.kv.check()
+
+
 def test_mixed_prefill_and_decode_in_one_batch(engine):
     tok = engine.tokenizer
     a, b = tok.encode(PROMPTS[0]), tok.encode(PROMPTS[2] * 8)

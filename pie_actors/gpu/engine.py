@@ -117,7 +117,7 @@ class Engine:
         self.worker, self.kv, self.tokenizer = worker, kv, tokenizer
         self.cfg = worker.cfg
         self.max_batch_tokens = max_batch_tokens
-        self.batch_sizes: Counter[int] = Counter()   # passes per executed batch
+        self.batch_sizes: Counter[int] = Counter()   # lanes per executed batch
         self._remote = remote
         self.channels = ChannelStore(worker.device)
         self.programs = ProgramCache()               # compiled eta programs, by IR hash
@@ -355,7 +355,7 @@ class Engine:
                     self._rollback(p.undo)
                     self._fail(p.request, e)
             return
-        self.batch_sizes[len(planned)] += 1
+        self.batch_sizes[len(plan.lanes)] += 1
         for p in planned:
             req = p.request
             try:                          # the epilogue first: if it fails, the pass never happened
@@ -472,14 +472,15 @@ class Engine:
         outputs: list[list[int]] = [[] for _ in prompts]
         inputs = [list(p) for p in prompts]
         live = list(range(len(prompts)))
-        greedy: Epilogue = lambda logits: int(argmax(logits[-1]))
+        greedy: Epilogue = lambda logits: argmax(logits).tolist()   # one token per lane
         try:
             for _ in range(max_new_tokens):
-                futures = [self.submit(PassRequest([Lane(seqs[i], inputs[i])], greedy)) for i in live]
+                groups = self._pass_groups(live, inputs)
+                futures = [self.submit(PassRequest([Lane(seqs[i], inputs[i]) for i in g], greedy)) for g in groups]
                 if self._thread is None:
                     self.run_until_idle()
-                for i, fut in zip(list(live), futures):
-                    token = fut.result()
+                tokens = [t for f in futures for t in f.result()]
+                for i, token in zip([i for g in groups for i in g], tokens):
                     outputs[i].append(token)
                     if on_token:
                         on_token(i, token)
@@ -492,3 +493,16 @@ class Engine:
             for s in seqs:
                 self.free(s)
         return outputs
+
+    def _pass_groups(self, live: list[int], inputs: list[list[int]]) -> list[list[int]]:
+        """`live` split into passes of many lanes (one epilogue call for them all, not one per lane),
+        each within the batch token budget, so that long prompts still prefill over several batches."""
+        groups: list[list[int]] = []
+        used = self.max_batch_tokens
+        for i in live:
+            if used + len(inputs[i]) > self.max_batch_tokens:
+                groups.append([])
+                used = 0
+            groups[-1].append(i)
+            used += len(inputs[i])
+        return groups
