@@ -1,11 +1,16 @@
-"""The C++ paged decode kernel (pie_actors/gpu/csrc) equals the torch gather path, and rejects bad shapes."""
+"""The C++ paged decode kernel (pie_actors/gpu/csrc) equals the torch gather path and rejects bad shapes;
+KV tensors sit on huge pages."""
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from pie_actors.gpu import cpu_attention
 from pie_actors.gpu.attention import AttentionMetadata, LanePlan, _decode_attention, _gather
+from pie_actors.gpu.worker import kv_tensor
 
 
 
@@ -64,3 +69,18 @@ def test_kernel_rejects_bad_input():
         cpu_attention.paged_decode_attention(torch.zeros(1, 2, 64), k, v, pages + 4, lengths, PAGE)
     with pytest.raises(RuntimeError, match="attends 17 slots, its page table covers 16"):
         cpu_attention.paged_decode_attention(torch.zeros(1, 2, 64), k, v, pages, lengths + 16, PAGE)
+
+
+def _huge_kib() -> int:
+    rollup = Path("/proc/self/smaps_rollup").read_text()
+    return int(rollup.split("AnonHugePages:")[1].split()[0])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux")
+                    or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
+                    reason="the OS gives no transparent huge pages")
+def test_kv_tensors_sit_on_huge_pages():
+    before = _huge_kib()
+    t = kv_tensor((3, 64 * 2**20 // 384, 64), torch.bfloat16, torch.device("cpu"))   # 64 MiB
+    assert t.shape == (3, 64 * 2**20 // 384, 64) and not t.any()
+    assert _huge_kib() - before >= 32 * 1024

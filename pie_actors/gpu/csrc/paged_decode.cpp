@@ -28,6 +28,13 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kVec = Vec::size();
 
+// Asks for one KV page of one head (`rows` rows of D values) to be brought into cache.
+template <typename T, int64_t D>
+inline void prefetch(const T* page, int64_t rows) {
+  const char* p = reinterpret_cast<const char*>(page);
+  for (int64_t i = 0; i < rows * D * int64_t(sizeof(T)); i += 64) __builtin_prefetch(p + i);
+}
+
 // D values of one row as fp32 vectors.
 template <typename T, int64_t D>
 inline void load_row(const T* row, Vec (&out)[D / kVec]) {
@@ -72,6 +79,10 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
       scores.resize(group * n);
       for (int64_t s0 = 0; s0 < n; s0 += page_size) {
         const T* k = k_head + table[s0 / page_size] * page_size * D;
+        // while this K page is scored, the next K page and this V page are on their way
+        if (s0 + page_size < n)
+          prefetch<T, D>(k_head + table[s0 / page_size + 1] * page_size * D, std::min(page_size, n - s0 - page_size));
+        prefetch<T, D>(v_head + table[s0 / page_size] * page_size * D, std::min(page_size, n - s0));
         for (int64_t s = s0; s < std::min(s0 + page_size, n); ++s, k += D) {
           Vec row[C];
           load_row<T, D>(k, row);

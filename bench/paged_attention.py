@@ -1,0 +1,95 @@
+"""CPU decode attention of one layer, side by side (issue 2): the C++ paged kernel
+(pie_actors/gpu/csrc/paged_decode.cpp) against the torch gather path, and the kernel on pages laid
+out in order or scattered over the pool, in KV tensors on 4 KiB or transparent huge pages.
+
+    python bench/paged_attention.py [--batches 1,8,32] [--context 128] [--pool-pages 4096] [--rounds 5]
+
+SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head_dim 64), bf16, 16-token pages. A
+step calls one layer after another of 30 (each its own KV tensors, so reads come from memory, not
+cache, as in the model); the table shows microseconds a layer, median of interleaved rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from report import publish
+
+from pie_actors.gpu import cpu_attention
+from pie_actors.gpu.attention import _decode_attention, _gather
+from pie_actors.gpu.worker import kv_tensor
+
+Q_HEADS, KV_HEADS, HEAD_DIM, PAGE, LAYERS = 9, 3, 64, 16, 30
+
+
+def page_tables(batch: int, pages_each: int, pool: int, scattered: bool) -> torch.Tensor:
+    if scattered:
+        return torch.randperm(pool)[:batch * pages_each].view(batch, pages_each)
+    # lanes growing together take pages in turn: lane b's pages are b, b + batch, ...
+    return torch.arange(batch * pages_each).view(pages_each, batch).t().contiguous()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--context", type=int, default=128, help="slots each lane attends")
+    parser.add_argument("--pool-pages", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", help="append the table to this markdown file")
+    parser.add_argument("--title", default="CPU paged decode attention")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    assert cpu_attention.load(), "the kernel did not build"
+    shape, dtype, cpu = (KV_HEADS, args.pool_pages * PAGE, HEAD_DIM), torch.bfloat16, torch.device("cpu")
+    pools = {huge: [(kv_tensor(shape, dtype, cpu, huge), kv_tensor(shape, dtype, cpu, huge)) for _ in range(LAYERS)]
+             for huge in (False, True)}
+    pages_each = -(-args.context // PAGE)
+    batches = [int(b) for b in args.batches.split(",")]
+
+    def kernel(huge: bool, scattered: bool, batch: int):
+        pages = page_tables(batch, pages_each, args.pool_pages, scattered)
+        lengths = torch.full((batch,), args.context, dtype=torch.int32)
+        q = torch.randn(batch, Q_HEADS, HEAD_DIM, dtype=dtype)
+        return lambda: [cpu_attention.paged_decode_attention(q, k, v, pages, lengths, PAGE) for k, v in pools[huge]]
+
+    def gather(huge: bool, scattered: bool, batch: int):
+        pages = page_tables(batch, pages_each, args.pool_pages, scattered)
+        index = (pages.unsqueeze(-1) * PAGE + torch.arange(PAGE)).flatten(1)
+        mask = (torch.arange(index.shape[1]) < args.context)[None, None, None, :].expand(batch, 1, 1, -1)
+        q = torch.randn(batch, Q_HEADS, HEAD_DIM, dtype=dtype)
+        return lambda: [_decode_attention(q, _gather(k, index), _gather(v, index), mask) for k, v in pools[huge]]
+
+    variants = {
+        "C++ kernel, pages in turn, huge pages (default)": (kernel, True, False),
+        "C++ kernel, pages in turn, 4 KiB pages": (kernel, False, False),
+        "C++ kernel, scattered pages, huge pages": (kernel, True, True),
+        "C++ kernel, scattered pages, 4 KiB pages": (kernel, False, True),
+        "torch gather + matmuls, pages in turn, huge pages": (gather, True, False),
+    }
+    calls = {(name, b): make(huge, scattered, b) for name, (make, huge, scattered) in variants.items() for b in batches}
+    times: dict = {key: [] for key in calls}
+    for _ in range(args.rounds):
+        for key, call in calls.items():
+            call()                                      # warm: the first call after another variant
+            t = time.perf_counter()
+            call()
+            times[key].append((time.perf_counter() - t) / LAYERS * 1e6)
+    default = next(iter(variants))
+    med = {key: statistics.median(v) for key, v in times.items()}
+    rows = ["| variant | " + " | ".join(f"batch {b}: us a layer (x default)" for b in batches) + " |",
+            "|---|" + "---|" * len(batches)]
+    for name in variants:
+        rows.append(f"| {name} | " + " | ".join(f"{med[name, b]:.0f} ({med[name, b] / med[default, b]:.2f}x)"
+                                               for b in batches) + " |")
+    note = (f"bf16, {args.context} slots a lane, pool of {args.pool_pages} pages, {args.threads} threads, "
+            f"median of {args.rounds} interleaved rounds; 1-min load average {os.getloadavg()[0]:.1f} at the end")
+    publish(note, "\n".join(rows), args.out, args.title)
+
+
+if __name__ == "__main__":
+    main()
