@@ -1,6 +1,6 @@
 """Compiled decode variants side by side (issue 2): the GEMMs by inductor's C++ template (autotuned
-against oneDNN) or by oneDNN alone, and decode attention by the C++ paged kernel, as fused
-multiply-sums or as batched matmuls.
+against oneDNN) or by oneDNN alone, the graph's calls from a C++ or a Python wrapper, and decode
+attention by the C++ paged kernel, as fused multiply-sums or as batched matmuls.
 
     python bench/decode_forms.py [--batches 1,8,32] [--tokens 64] [--rounds 3] [--out bench/RESULTS.md --title "..."]
 
@@ -25,6 +25,7 @@ PROMPT = "The capital of France is"
 VARIANTS = {
     "C++ GEMM, attention fused at batch 1, C++ kernel above (default)": {},
     "oneDNN GEMM, attention as default": {"gemm_autotune": False},
+    "C++ GEMM, attention as default, Python wrapper": {"cpp_wrapper": False},
     "C++ GEMM, C++ attention kernel at batch 1 too": {"fused_attention_max_batch": 0},
     "C++ GEMM, attention scores fused above batch 1, P·V matmul": {"batch_form": "fused_scores"},
     "C++ GEMM, attention as matmuls": {"batch_form": "matmul", "fused_attention_max_batch": 0},

@@ -32,7 +32,8 @@ def _own_code(fn: types.FunctionType) -> types.FunctionType:
 class CompiledDecode:
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  page_size: int, scratch_page: int, *, batch_form: str = "fused_scores",
-                 gemm_autotune: bool = True, fused_attention_max_batch: int = FUSED_ATTENTION_MAX_BATCH):
+                 gemm_autotune: bool = True, cpp_wrapper: bool = True,
+                 fused_attention_max_batch: int = FUSED_ATTENTION_MAX_BATCH):
         """`batch_form`: the decode attention form (`AttentionMetadata.decode_form`) of batches above
         `fused_attention_max_batch`. The other keyword arguments are for benchmarks
         (bench/decode_forms.py)."""
@@ -53,6 +54,10 @@ class CompiledDecode:
             # keeps the faster, at ~20 s more per bucket's compile (bench/RESULTS.md, "compiled
             # decode forms").
             options |= {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+        if self.device.type == "cpu" and cpp_wrapper:
+            # The graph's ~400 kernel calls from generated C++ instead of Python: 1.03-1.09x a step
+            # here, ~10 s more compile per bucket (bench/RESULTS.md, "compiled decode forms").
+            options |= {"cpp_wrapper": True}
         self._fn = torch.compile(forward, dynamic=False, options=options)
         # one graph per batch bucket, each a "recompile" of the same code
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
