@@ -8,6 +8,8 @@ The kernel reads each lane's K and V pages where they lie, the CPU counterpart o
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -25,6 +27,9 @@ def load() -> bool:
     if _loaded is None:
         try:
             from torch.utils.cpp_extension import load as load_extension
+            if shutil.which("ninja") is None:   # the PyPI package's binary: PATH may lack the venv
+                import ninja
+                os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
             # -march=native: the cache directory is per ISA level, so a home shared by different
             # machines does not hand one machine another's instructions.
             isa = torch.backends.cpu.get_cpu_capability().lower()
