@@ -12,17 +12,16 @@ from pie_actors.gpu import cpu_attention
 from pie_actors.gpu.attention import AttentionMetadata, LanePlan, _decode_attention, _gather
 from pie_actors.gpu.worker import kv_tensor
 
-
-
-def setup_module():
-    assert cpu_attention.load(), "the kernel did not build (see the warning logged)"
-
 PAGE = 16
 LANES = [LanePlan(0, 1, [5, 2, 9], 40),             # partial last page
          LanePlan(1, 1, [7], 1),                    # a single slot
          LanePlan(2, 1, [3, 4, 8, 1], 64),          # full pages
          LanePlan(3, 1, [6, 10], 32, q_slots=[20]),  # explicit slot: attends slots 0..20 only
          LanePlan(4, 1, [0, 11, 12, 13, 14, 15, 16, 17, 18, 19], 150)]
+
+
+def setup_module():
+    assert cpu_attention.load(), "the kernel did not build (see the warning logged)"
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])

@@ -4,8 +4,9 @@ The KV cache of one layer is a tensor [kv_heads, num_slots, head_dim] where slot
 (head-major: a gather along slots comes out in the [heads, rows, dim] layout attention multiplies with).
 A batch mixes lanes of any length. Single-row lanes without a custom mask (decode) are served
 together by a kernel that reads their pages in place (C++ on the CPU, Triton on CUDA); where the C++
-kernel cannot be built, their pages are gathered into one padded tensor for torch ops. Longer lanes (prefill, drafts) get one SDPA call each. The
-gather indices and masks are built once per batch (`AttentionMetadata.build`) and reused by every layer.
+kernel cannot be built, their pages are gathered into one padded tensor for torch ops. Longer lanes
+(prefill, drafts) get one SDPA call each. The page tables, gather indices and masks are built once
+per batch (`AttentionMetadata.build`) and reused by every layer.
 """
 from __future__ import annotations
 

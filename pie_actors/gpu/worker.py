@@ -83,7 +83,8 @@ class Worker:
         self.kv_caches = [(kv_tensor(shape, dtype, device), kv_tensor(shape, dtype, device))
                           for _ in range(self.cfg.num_layers)]
         # decode attention: the C++ kernel on the CPU where it builds (cpu_attention.py)
-        use_kernel = device.type == "cpu" and self.cfg.head_dim in cpu_attention.HEAD_DIMS and cpu_attention.load()
+        use_kernel = (device.type == "cpu" and self.cfg.head_dim in cpu_attention.HEAD_DIMS
+                      and cpu_attention.load())
         self.decode_form = "kernel" if use_kernel else "matmul"
         self.compiled = (CompiledDecode(self.model, self.kv_caches, page_size, num_pages,
                                         batch_form="kernel" if use_kernel else "fused_scores")

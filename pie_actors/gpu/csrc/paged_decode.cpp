@@ -20,7 +20,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
-#include <limits>
+#include <algorithm>
+#include <functional>
 #include <vector>
 
 namespace {
