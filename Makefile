@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(VENV)/bin/pie model import smollm2-135m-instruct
 	# the CPU attention kernel (pie_actors/gpu/csrc), built once per machine (~25 s) so that the
 	# first engine does not stall on it; without a C++ toolchain engines fall back to torch ops
-	$(PY) -c "from pie_actors.gpu import cpu_attention; cpu_attention.load()"
+	$(PY) -c "from pie_actors.gpu import cpu_kernels; cpu_kernels.load()"
 	touch $(STAMP)
 
 demo: setup

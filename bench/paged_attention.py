@@ -19,7 +19,7 @@ import torch
 
 from report import publish
 
-from pie_actors.gpu import cpu_attention
+from pie_actors.gpu import cpu_kernels
 from pie_actors.gpu.attention import _decode_attention, _gather
 from pie_actors.gpu.worker import kv_tensor
 
@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--title", default="CPU paged decode attention")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    assert cpu_attention.load(), "the kernel did not build"
+    assert cpu_kernels.load(), "the kernel did not build"
     shape, dtype, cpu = (KV_HEADS, args.pool_pages * PAGE, HEAD_DIM), torch.bfloat16, torch.device("cpu")
     pools = {huge: [(kv_tensor(shape, dtype, cpu, huge), kv_tensor(shape, dtype, cpu, huge)) for _ in range(LAYERS)]
              for huge in (False, True)}
@@ -55,7 +55,7 @@ def main() -> None:
         pages = page_tables(batch, pages_each, args.pool_pages, scattered)
         lengths = torch.full((batch,), args.context, dtype=torch.int32)
         q = torch.randn(batch, Q_HEADS, HEAD_DIM, dtype=dtype)
-        return lambda: [cpu_attention.paged_decode_attention(q, k, v, pages, lengths, PAGE) for k, v in pools[huge]]
+        return lambda: [cpu_kernels.paged_decode_attention(q, k, v, pages, lengths, PAGE) for k, v in pools[huge]]
 
     def gather(huge: bool, scattered: bool, batch: int):
         pages = page_tables(batch, pages_each, args.pool_pages, scattered)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import cpu_attention
+from . import cpu_kernels
 
 try:                                      # Triton ships with CUDA builds of torch
     from .triton_attention import paged_decode_attention
@@ -38,13 +38,14 @@ class LanePlan:
 @dataclass
 class _Group:
     """Decode lanes batched together: rows [B], page table [B, P] and attended slots [B] (the
-    Triton kernel reads those), or the same as a gather index [B, S] and mask [B, 1, 1, S]."""
+    paged kernels read those), and for the torch forms the same as a gather index [B, S] and mask
+    [B, 1, 1, S] (None in the "kernel" form)."""
 
     rows: torch.Tensor
     pages: torch.Tensor
     lengths: torch.Tensor
-    index: torch.Tensor
-    mask: torch.Tensor
+    index: torch.Tensor | None
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -61,7 +62,7 @@ class AttentionMetadata:
     page_size: int
     decode: _Group | None = None
     singles: list[_Single] = field(default_factory=list)
-    # How CPU decode attention is computed: "kernel" (cpu_attention.py), or a torch form of
+    # How CPU decode attention is computed: "kernel" (cpu_kernels.py), or a torch form of
     # `_decode_attention`, which compiled_decode.py may pick for inductor to fuse.
     decode_form: str = "matmul"
 
@@ -77,13 +78,15 @@ class AttentionMetadata:
             max_pages = max(len(l.pages) for l in decode)
             pages = torch.tensor([l.pages + [0] * (max_pages - len(l.pages)) for l in decode],
                                  dtype=torch.long, device=device)
-            index = (pages.unsqueeze(-1) * page_size + offsets).flatten(1)        # [B, S]
             # a row attends slots up to its own (causal), within kv_len
             lengths = torch.tensor([min(l.kv_len, l.q_slots[0] + 1 if l.q_slots else l.kv_len)
                                     for l in decode], dtype=torch.int32, device=device)
-            mask = torch.arange(index.shape[1], device=device) < lengths.unsqueeze(1)
             rows = torch.tensor([l.q_start for l in decode], dtype=torch.long, device=device)
-            meta.decode = _Group(rows, pages, lengths, index, mask[:, None, None, :])
+            meta.decode = _Group(rows, pages, lengths, None, None)
+            if decode_form != "kernel":
+                index = (pages.unsqueeze(-1) * page_size + offsets).flatten(1)        # [B, S]
+                mask = torch.arange(index.shape[1], device=device) < lengths.unsqueeze(1)
+                meta.decode.index, meta.decode.mask = index, mask[:, None, None, :]
         for l in lanes:
             if l.q_len == 1 and l.mask is None:
                 continue
@@ -149,7 +152,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if q.is_cuda and paged_decode_attention is not None:
             o = paged_decode_attention(qd, k_cache, v_cache, g.pages, g.lengths, page_size=meta.page_size)
         elif meta.decode_form == "kernel":
-            o = cpu_attention.paged_decode_attention(qd, k_cache, v_cache, g.pages, g.lengths, meta.page_size)
+            o = cpu_kernels.paged_decode_attention(qd, k_cache, v_cache, g.pages, g.lengths, meta.page_size)
         else:
             o = _decode_attention(qd, _gather(k_cache, g.index), _gather(v_cache, g.index), g.mask,
                                   meta.decode_form)

@@ -85,9 +85,10 @@ class CompiledDecode:
             # Dynamo specializes a dimension of size 1: one page column more (never read, as the
             # lengths end before it) keeps the first page's steps on the same graph as the rest.
             meta.decode.pages = torch.nn.functional.pad(meta.decode.pages, (0, 1))
-        torch._dynamo.mark_dynamic(meta.decode.index, 1)
-        torch._dynamo.mark_dynamic(meta.decode.mask, 3)
         torch._dynamo.mark_dynamic(meta.decode.pages, 1)
+        if meta.decode.index is not None:
+            torch._dynamo.mark_dynamic(meta.decode.index, 1)
+            torch._dynamo.mark_dynamic(meta.decode.mask, 3)
         self.batch_sizes.add(batch)
         ids = torch.tensor(input_ids + [0] * len(padding), device=self.device)
         pos = torch.tensor(positions + [0] * len(padding), device=self.device)

@@ -2,7 +2,7 @@
 
 One program per (lane, KV head) walks the lane's page table, reading K and V straight from the page
 tensors (no gathered copy) with an online softmax, and serves every query head of the KV head's GQA
-group. On the CPU, csrc/paged_decode.cpp does the same (cpu_attention.py). The kernel is checked
+group. On the CPU, csrc/paged_decode.cpp does the same (cpu_kernels.py). The kernel is checked
 against that path on small shapes with Triton's interpreter (TRITON_INTERPRET=1) in the tests.
 """
 from __future__ import annotations

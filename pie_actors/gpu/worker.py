@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_attention
+from . import cpu_kernels
 from .adapters import AdapterUse
 from .attention import AttentionMetadata, LanePlan
 from .compiled_decode import CompiledDecode
@@ -82,9 +82,9 @@ class Worker:
         shape = (heads, (num_pages + 1) * page_size, self.cfg.head_dim)
         self.kv_caches = [(kv_tensor(shape, dtype, device), kv_tensor(shape, dtype, device))
                           for _ in range(self.cfg.num_layers)]
-        # decode attention: the C++ kernel on the CPU where it builds (cpu_attention.py)
-        use_kernel = (device.type == "cpu" and self.cfg.head_dim in cpu_attention.HEAD_DIMS
-                      and cpu_attention.load())
+        # decode attention: the C++ kernel on the CPU where it builds (cpu_kernels.py)
+        use_kernel = (device.type == "cpu" and self.cfg.head_dim in cpu_kernels.HEAD_DIMS
+                      and cpu_kernels.load())
         self.decode_form = "kernel" if use_kernel else "matmul"
         self.compiled = (CompiledDecode(self.model, self.kv_caches, page_size, num_pages,
                                         batch_form="kernel" if use_kernel else "fused_scores")

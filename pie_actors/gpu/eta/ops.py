@@ -56,6 +56,8 @@ from typing import Any
 
 import torch
 
+from .. import cpu_kernels
+
 __all__ = ["EtaError", "OpSpec", "OPS", "DTYPES", "MODEL_OUTPUTS", "MAX_ELEMENTS", "is_ref",
            "mix32", "seed_key", "gumbel_noise", "MIX_MULTIPLIERS", "GOLDEN"]
 
@@ -197,8 +199,15 @@ def _and(a, b) -> torch.Tensor:
 
 
 def argmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Index of the first maximum along `dim`. torch.max's indices follow argmax's rule for ties and
-    NaN, and run ~3x faster than torch.argmax on the CPU (23 vs 65 us for a 49,152-wide row here)."""
+    """Index of the first maximum along `dim` (the first NaN where there is one). On the CPU, rows
+    of float32 logits go to the C++ kernel (cpu_kernels.py: ~3x torch.max's speed, 1.2 -> 0.4 ms for
+    batch-32 logits here); otherwise torch.max, whose indices follow argmax's rule for ties and NaN
+    and run ~3x faster than torch.argmax on the CPU."""
+    last = dim in (-1, x.dim() - 1)
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() in (1, 2) and last
+            and x.shape[-1] > 0 and cpu_kernels.load()):
+        rows = cpu_kernels.argmax_rows(x.reshape(-1, x.shape[-1]))
+        return rows[0] if x.dim() == 1 else rows
     return x.max(dim).indices
 
 

@@ -1,5 +1,5 @@
-"""The C++ paged decode kernel (pie_actors/gpu/csrc) equals the torch gather path and rejects bad shapes;
-KV tensors sit on huge pages."""
+"""The C++ kernels (pie_actors/gpu/csrc): paged decode attention equals the torch gather path and
+rejects bad shapes; the row argmax equals torch.max's indices; KV tensors sit on huge pages."""
 from __future__ import annotations
 
 import sys
@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pie_actors.gpu import cpu_attention
+from pie_actors.gpu import cpu_kernels
 from pie_actors.gpu.attention import AttentionMetadata, LanePlan, _decode_attention, _gather
+from pie_actors.gpu.eta.ops import argmax
 from pie_actors.gpu.worker import kv_tensor
 
 PAGE = 16
@@ -21,11 +22,11 @@ LANES = [LanePlan(0, 1, [5, 2, 9], 40),             # partial last page
 
 
 def setup_module():
-    assert cpu_attention.load(), "the kernel did not build (see the warning logged)"
+    assert cpu_kernels.load(), "the kernel did not build (see the warning logged)"
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
-@pytest.mark.parametrize("head_dim", cpu_attention.HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", cpu_kernels.HEAD_DIMS)
 @pytest.mark.parametrize("q_heads,kv_heads", [(2, 2), (9, 3), (8, 2)])
 def test_kernel_matches_gather_path(dtype, tol, head_dim, q_heads, kv_heads):
     g = torch.Generator().manual_seed(head_dim + q_heads)
@@ -34,7 +35,7 @@ def test_kernel_matches_gather_path(dtype, tol, head_dim, q_heads, kv_heads):
     v = torch.randn(kv_heads, pool * PAGE, head_dim, generator=g).to(dtype)
     meta = AttentionMetadata.build(LANES, list(range(len(LANES))), PAGE, torch.device("cpu"))
     q = torch.randn(len(LANES), q_heads, head_dim, generator=g).to(dtype)
-    got = cpu_attention.paged_decode_attention(q, k, v, meta.decode.pages, meta.decode.lengths, PAGE)
+    got = cpu_kernels.paged_decode_attention(q, k, v, meta.decode.pages, meta.decode.lengths, PAGE)
     assert got.dtype == dtype and got.shape == q.shape
     want = _decode_attention(q.float(), _gather(k, meta.decode.index).float(),
                              _gather(v, meta.decode.index).float(), meta.decode.mask)
@@ -48,26 +49,51 @@ def test_kernel_under_torch_compile():
     meta = AttentionMetadata.build(LANES, list(range(len(LANES))), PAGE, torch.device("cpu"))
     q = torch.randn(len(LANES), 6, 64, generator=g)
     args = (q, k, v, meta.decode.pages, meta.decode.lengths, PAGE)
-    compiled = torch.compile(cpu_attention.paged_decode_attention, fullgraph=True)
-    torch.testing.assert_close(compiled(*args), cpu_attention.paged_decode_attention(*args))
+    compiled = torch.compile(cpu_kernels.paged_decode_attention, fullgraph=True)
+    torch.testing.assert_close(compiled(*args), cpu_kernels.paged_decode_attention(*args))
 
 
 def test_kernel_rejects_bad_input():
     k = v = torch.zeros(2, 4 * PAGE, 80)
     pages, lengths = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.int32)
     with pytest.raises(RuntimeError, match="head_dim 80"):
-        cpu_attention.paged_decode_attention(torch.zeros(1, 2, 80), k, v, pages, lengths, PAGE)
+        cpu_kernels.paged_decode_attention(torch.zeros(1, 2, 80), k, v, pages, lengths, PAGE)
     k = v = torch.zeros(2, 4 * PAGE, 64)
     with pytest.raises(RuntimeError, match="multiple of the KV heads"):
-        cpu_attention.paged_decode_attention(torch.zeros(1, 3, 64), k, v, pages, lengths, PAGE)
+        cpu_kernels.paged_decode_attention(torch.zeros(1, 3, 64), k, v, pages, lengths, PAGE)
     with pytest.raises(RuntimeError, match="one dtype"):
-        cpu_attention.paged_decode_attention(torch.zeros(1, 2, 64, dtype=torch.bfloat16), k, v, pages, lengths, PAGE)
+        cpu_kernels.paged_decode_attention(torch.zeros(1, 2, 64, dtype=torch.bfloat16), k, v, pages, lengths, PAGE)
     with pytest.raises(RuntimeError, match="lengths int32"):
-        cpu_attention.paged_decode_attention(torch.zeros(1, 2, 64), k, v, pages, lengths.long(), PAGE)
+        cpu_kernels.paged_decode_attention(torch.zeros(1, 2, 64), k, v, pages, lengths.long(), PAGE)
     with pytest.raises(RuntimeError, match="reads page 4, outside the pool of 4 pages"):
-        cpu_attention.paged_decode_attention(torch.zeros(1, 2, 64), k, v, pages + 4, lengths, PAGE)
+        cpu_kernels.paged_decode_attention(torch.zeros(1, 2, 64), k, v, pages + 4, lengths, PAGE)
     with pytest.raises(RuntimeError, match="attends 17 slots, its page table covers 16"):
-        cpu_attention.paged_decode_attention(torch.zeros(1, 2, 64), k, v, pages, lengths + 16, PAGE)
+        cpu_kernels.paged_decode_attention(torch.zeros(1, 2, 64), k, v, pages, lengths + 16, PAGE)
+
+
+@pytest.mark.parametrize("shape", [(32, 49152), (1, 49152), (3, 7), (2, 64), (4, 65), (5, 1000), (1, 1)])
+def test_argmax_matches_torch_max(shape):
+    g = torch.Generator().manual_seed(shape[1])
+    x = torch.randn(shape, generator=g)
+    assert torch.equal(cpu_kernels.argmax_rows(x), x.max(-1).indices)
+    ties = torch.randint(0, 3, shape, generator=g).float()      # many equal maxima: the first wins
+    assert torch.equal(cpu_kernels.argmax_rows(ties), ties.max(-1).indices)
+
+
+def test_argmax_nan_inf_and_layouts():
+    x = torch.randn(6, 1000)
+    x[0, 7] = x[0, 900] = float("nan")                 # the first NaN, in the vector part
+    x[1, 998] = float("nan")                           # in the tail
+    x[2, 3] = float("inf")
+    x[3] = float("-inf")                               # all -inf: index 0
+    x[4, 500] = x[4, 40] = 1e9                         # equal maxima in different vector lanes
+    assert cpu_kernels.argmax_rows(x).tolist() == [7, 998, 3, 0, 40, int(x[5].max(-1).indices)]
+    assert torch.equal(cpu_kernels.argmax_rows(x.T.contiguous().T), x.max(-1).indices)  # a strided view
+    assert torch.equal(argmax(x[2]), torch.tensor(3)) and torch.equal(argmax(x.T, 0), x.max(-1).indices)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.argmax_rows(x.double())
+    with pytest.raises(RuntimeError, match="non-empty"):
+        cpu_kernels.argmax_rows(torch.zeros(2, 0))
 
 
 def _huge_kib() -> int:
