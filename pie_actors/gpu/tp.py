@@ -99,7 +99,7 @@ class ColumnParallelLinear(nn.Module):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel projections of the same input fused into one matmul (gate+up, q+k+v).
+    """Several column-parallel projections of the same input fused into one matmul (q+k+v).
 
     `sizes` are the full output sizes of the parts; each rank holds its slice of every part, in order.
     """
