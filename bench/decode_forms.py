@@ -1,8 +1,10 @@
 """Compiled decode variants side by side (issue 2): the GEMMs by inductor's C++ template (autotuned
-against oneDNN) or by oneDNN alone, the graph's calls from a C++ or a Python wrapper, and decode
-attention by the C++ paged kernel, as fused multiply-sums or as batched matmuls.
+against oneDNN) or by oneDNN alone, the graph's calls from a C++ or a Python wrapper, decode
+attention by the C++ paged kernel, as fused multiply-sums or as batched matmuls, and the MLP's gate
+and up projections as two GEMMs or merged into one.
 
-    python bench/decode_forms.py [--batches 1,8,32] [--tokens 64] [--rounds 3] [--out bench/RESULTS.md --title "..."]
+    python bench/decode_forms.py [--batches 1,8,32] [--tokens 64] [--rounds 3] [--variants 0,6]
+                                 [--out bench/RESULTS.md --title "..."]
 
 Each variant is an engine of its own (compiled graphs hold their frozen weights). Every round decodes
 once with every variant at every batch size, so load drift hits them alike; tokens/s are decode only
@@ -15,7 +17,10 @@ import argparse
 import os
 import statistics
 import time
+import types
 
+import torch
+import torch.nn.functional as F
 from report import publish
 
 from pie_actors.gpu.compiled_decode import CompiledDecode
@@ -29,12 +34,30 @@ VARIANTS = {
     "C++ GEMM, C++ attention kernel at batch 1 too": {"fused_attention_max_batch": 0},
     "C++ GEMM, attention scores fused above batch 1, P·V matmul": {"batch_form": "fused_scores"},
     "C++ GEMM, attention as matmuls": {"batch_form": "matmul", "fused_attention_max_batch": 0},
+    "C++ GEMM, gate and up merged in one GEMM": {"merged_gate_up": True},
 }
+
+
+def _merged_mlp_forward(mlp, x: torch.Tensor, adapt=None) -> torch.Tensor:
+    gate, up = F.linear(x, mlp.gate_up).chunk(2, dim=-1)
+    return mlp.down_proj(F.silu(gate) * up)
+
+
+def merge_gate_up(engine: Engine) -> None:
+    """The MLPs as they were before 2026-11-30: one GEMM for gate and up, its output split."""
+    for layer in engine.worker.model.layers:
+        mlp = layer.mlp
+        mlp.gate_up = torch.nn.Parameter(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                                         requires_grad=False)
+        del mlp.gate_proj, mlp.up_proj
+        mlp.forward = types.MethodType(_merged_mlp_forward, mlp)
 
 
 def variant_engine(threads: int, options: dict) -> Engine:
     engine = Engine.from_model("smollm2-135m-instruct", device="cpu", dtype="bfloat16", compile=True,
                                num_threads=threads)
+    if options.pop("merged_gate_up", False):
+        merge_gate_up(engine)
     w = engine.worker
     options = {"batch_form": w.compiled.batch_form, **options}
     w.compiled = CompiledDecode(w.model, w.kv_caches, w.page_size, w.compiled.scratch_page, **options)
@@ -54,12 +77,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--variants", help="comma list of variant numbers (0 = the default) to run; all if unset")
     parser.add_argument("--out", help="append the table to this markdown file")
     parser.add_argument("--title", default="compiled decode forms")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
 
-    engines = {name: variant_engine(args.threads, options) for name, options in VARIANTS.items()}
+    chosen = [int(i) for i in args.variants.split(",")] if args.variants else range(len(VARIANTS))
+    engines = {name: variant_engine(args.threads, dict(options))
+               for i, (name, options) in enumerate(VARIANTS.items()) if i in chosen}
     prompt = next(iter(engines.values())).tokenizer.encode(PROMPT)
     prompts = {b: [prompt + [i] for i in range(b)] for b in batches}
     compile_s = {name: 0.0 for name in engines}

@@ -4,16 +4,7 @@
 // fp32 logits here, 4% of the step); this keeps one running maximum and its index per vector
 // lane, so a row costs about what reading it costs. The result matches torch.max(dim).indices:
 // the first maximum, or the first NaN when a row has one.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2
-#endif
-
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
-#include <torch/library.h>
+#include "vec.h"
 
 #include <cmath>
 

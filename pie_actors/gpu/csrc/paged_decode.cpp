@@ -6,19 +6,10 @@
 // head): the lane's query heads of that group are scored against each K row, softmaxed, and their
 // outputs accumulated from each V row, all in fp32 (vLLM's CPU paged attention has the same shape).
 //
-// Built at first use by pie_actors/gpu/cpu_kernels.py with -march=native; the capability macros
-// below select at::vec's AVX-512 or AVX2 implementations to match (otherwise its portable one).
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2
-#endif
+// Built at first use by pie_actors/gpu/cpu_kernels.py.
+#include "vec.h"
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <functional>

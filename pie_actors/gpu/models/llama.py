@@ -114,8 +114,8 @@ class MLP(nn.Module):
         super().__init__()
         n = cfg.intermediate_size
         # gate and up as two GEMMs, not one merged: compiled, silu(gate) * up then fuses into them
-        # as their epilogues, one kernel less a layer (+2.5% at batch 32 on the CPU,
-        # bench/RESULTS.md); eager, the two cost what one did
+        # as their epilogues, one kernel less a layer (+1% to +3.5% at batch 32 on the CPU across
+        # A/B runs, bench/RESULTS.md); eager, the two cost what one did
         self.gate_proj = ColumnParallelLinear(cfg.hidden_size, n, False, comm)
         self.up_proj = ColumnParallelLinear(cfg.hidden_size, n, False, comm)
         self.down_proj = RowParallelLinear(n, cfg.hidden_size, False, comm)
