@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import multiprocessing
 import os
 import platform
 import sys
 import traceback
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Callable
@@ -61,6 +64,17 @@ def engine_speed(dtype: str, compile: bool) -> SpeedFn:
     return lambda b, length, n, repeats: measure(by_subtraction(generate), b, length, n, repeats)
 
 
+def in_child(fn: Callable[..., Speed], *args: Any) -> Speed:
+    """fn(*args) in a process of its own, so that a crash fails one row, not the run: llama.cpp's
+    Q4_1 kernels die of a general protection fault in libggml-cpu on some hosts (llama-cpp-python
+    0.3.36 built here; F16 and F32 run)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            return pool.submit(fn, *args).result()
+        except BrokenProcessPool:
+            raise RuntimeError("the llama.cpp process crashed") from None
+
+
 def speed_fn(system: str, dtype: str) -> tuple[str, SpeedFn]:
     """(weights label, speed function) for one table row."""
     gguf = default_gguf()  # Q4_1; transformers and the torch loop dequantize it to `dtype`
@@ -74,7 +88,7 @@ def speed_fn(system: str, dtype: str) -> tuple[str, SpeedFn]:
         import llama_cpp as _  # noqa: F401  fail fast (unavailable) before writing a GGUF variant
         kind = dtype if dtype == "Q4_1" else LLAMA_CPP_TYPE[dtype]
         path = variant(kind)
-        return f"GGUF {kind}", lambda b, length, n, r: llama_cpp(path, length, n, THREADS, r)
+        return f"GGUF {kind}", lambda b, length, n, r: in_child(llama_cpp, path, length, n, THREADS, r)
     raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
 
 
