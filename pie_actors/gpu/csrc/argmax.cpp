@@ -1,11 +1,12 @@
 // Greedy sampling's argmax over each row of the logits, vectorized (built with paged_decode.cpp).
 //
 // torch's max(dim) walks a 49,152-wide row an element at a time (~1.2 ms for a batch-32 step's
-// fp32 logits here, 4% of the step); this keeps one running maximum and its index per vector
+// fp32 logits here, 4% of the step); this keeps running maxima and their indices per vector
 // lane, so a row costs about what reading it costs. The result matches torch.max(dim).indices:
 // the first maximum, or the first NaN when a row has one.
 #include "vec.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace {
@@ -28,7 +29,8 @@ int64_t row_argmax(const float* x, int64_t n) {
       nan = nan | max[c].isnan();
     }
     const IVec step(static_cast<int32_t>(kStride));
-    IVec idx[kChains] = {at[0], at[1], at[2], at[3]};
+    IVec idx[kChains];                     // the indices of the vectors just loaded
+    std::copy(at, at + kChains, idx);
     for (i = kStride; i + kStride <= n; i += kStride) {
       for (int64_t c = 0; c < kChains; ++c) {
         const Vec v = Vec::loadu(x + i + c * kVec);
