@@ -39,13 +39,15 @@ class LanePlan:
 class _Group:
     """Decode lanes batched together: rows [B], page table [B, P] and attended slots [B] (the
     paged kernels read those), and for the torch forms the same as a gather index [B, S] and mask
-    [B, 1, 1, S] (None in the "kernel" form)."""
+    [B, 1, 1, S] (None in the "kernel" form). `whole_batch`: the lanes are the batch's rows in
+    order (a decode step), so their queries and outputs need no gather and scatter."""
 
     rows: torch.Tensor
     pages: torch.Tensor
     lengths: torch.Tensor
     index: torch.Tensor | None
     mask: torch.Tensor | None
+    whole_batch: bool = False
 
 
 @dataclass
@@ -82,7 +84,8 @@ class AttentionMetadata:
             lengths = torch.tensor([min(l.kv_len, l.q_slots[0] + 1 if l.q_slots else l.kv_len)
                                     for l in decode], dtype=torch.int32, device=device)
             rows = torch.tensor([l.q_start for l in decode], dtype=torch.long, device=device)
-            meta.decode = _Group(rows, pages, lengths, None, None)
+            whole = len(decode) == len(lanes) and all(l.q_start == i for i, l in enumerate(decode))
+            meta.decode = _Group(rows, pages, lengths, None, None, whole)
             if decode_form != "kernel":
                 index = (pages.unsqueeze(-1) * page_size + offsets).flatten(1)        # [B, S]
                 mask = torch.arange(index.shape[1], device=device) < lengths.unsqueeze(1)
@@ -144,11 +147,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     k_cache[:, meta.write_slots] = k.transpose(0, 1)    # index_put: stays in place under torch.compile
     v_cache[:, meta.write_slots] = v.transpose(0, 1)
-    out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     if meta.decode is not None:
         g = meta.decode
-        qd = q.index_select(0, g.rows)
+        qd = q if g.whole_batch else q.index_select(0, g.rows)
         if q.is_cuda and paged_decode_attention is not None:
             o = paged_decode_attention(qd, k_cache, v_cache, g.pages, g.lengths, page_size=meta.page_size)
         elif meta.decode_form == "kernel":
@@ -156,7 +158,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         else:
             o = _decode_attention(qd, _gather(k_cache, g.index), _gather(v_cache, g.index), g.mask,
                                   meta.decode_form)
+        if g.whole_batch:
+            return o
+        out = torch.empty_like(q)
         out.index_copy_(0, g.rows, o)
+    else:
+        out = torch.empty_like(q)
     for s in meta.singles:
         # Batched 4-D inputs: CPU SDPA takes its flash kernel only for those (3-D: the math path, 3x slower).
         qs = q[s.start:s.end].transpose(0, 1).unsqueeze(0)                 # [1, Hq, L, D]
