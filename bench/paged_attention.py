@@ -21,7 +21,7 @@ from report import publish
 
 from pie_actors.gpu import cpu_kernels
 from pie_actors.gpu.attention import _decode_attention, _gather
-from pie_actors.gpu.worker import kv_tensor
+from pie_actors.gpu import hugepages
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE, LAYERS = 9, 3, 64, 16, 30
 
@@ -46,8 +46,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     assert cpu_kernels.load(), "the kernel did not build"
     shape, dtype, cpu = (KV_HEADS, args.pool_pages * PAGE, HEAD_DIM), torch.bfloat16, torch.device("cpu")
-    pools = {huge: [(kv_tensor(shape, dtype, cpu, huge), kv_tensor(shape, dtype, cpu, huge)) for _ in range(LAYERS)]
-             for huge in (False, True)}
+    zeros = {True: hugepages.zeros, False: torch.zeros}    # torch.zeros: small pages in THP "madvise" mode
+    pools = {huge: [(zeros[huge](shape, dtype=dtype, device=cpu), zeros[huge](shape, dtype=dtype, device=cpu))
+                    for _ in range(LAYERS)] for huge in (False, True)}
     pages_each = -(-args.context // PAGE)
     batches = [int(b) for b in args.batches.split(",")]
 

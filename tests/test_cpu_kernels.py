@@ -2,16 +2,17 @@
 rejects bad shapes; the row argmax equals torch.max's indices; KV tensors sit on huge pages."""
 from __future__ import annotations
 
+import platform
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from pie_actors.gpu import cpu_kernels
+from pie_actors.gpu import cpu_kernels, hugepages
 from pie_actors.gpu.attention import AttentionMetadata, LanePlan, _decode_attention, _gather
 from pie_actors.gpu.eta.ops import argmax
-from pie_actors.gpu.worker import kv_tensor
 
 PAGE = 16
 LANES = [LanePlan(0, 1, [5, 2, 9], 40),             # partial last page
@@ -96,16 +97,43 @@ def test_argmax_nan_inf_and_layouts():
         cpu_kernels.argmax_rows(torch.zeros(2, 0))
 
 
-def _huge_kib() -> int:
-    rollup = Path("/proc/self/smaps_rollup").read_text()
-    return int(rollup.split("AnonHugePages:")[1].split()[0])
+THP = (sys.platform.startswith("linux")
+       and "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text())
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux")
-                    or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
-                    reason="the OS gives no transparent huge pages")
+def _huge_pages_gained(code: str) -> int:
+    """KiB of huge pages the process gains running `code`, in a fresh process: in this one, memory
+    freed by earlier tests (some of it huge) would be reused and blur the count."""
+    script = f"""
+from pathlib import Path
+import torch
+from pie_actors.gpu import hugepages
+def huge():
+    return int(Path("/proc/self/smaps_rollup").read_text().split("AnonHugePages:")[1].split()[0])
+before = huge()
+{code}
+print(huge() - before)
+"""
+    return int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              check=True).stdout)
+
+
+@pytest.mark.skipif(not THP, reason="the OS gives no transparent huge pages")
 def test_kv_tensors_sit_on_huge_pages():
-    before = _huge_kib()
-    t = kv_tensor((3, 64 * 2**20 // 384, 64), torch.bfloat16, torch.device("cpu"))   # 64 MiB
-    assert t.shape == (3, 64 * 2**20 // 384, 64) and not t.any()
-    assert _huge_kib() - before >= 32 * 1024
+    assert _huge_pages_gained("""
+t = hugepages.zeros((3, 64 * 2**20 // 384, 64), torch.bfloat16, torch.device("cpu"))   # 64 MiB
+assert t.shape == (3, 64 * 2**20 // 384, 64) and not t.any()
+""") >= 32 * 1024
+
+
+@pytest.mark.skipif(not THP or tuple(map(int, platform.release().split(".")[:2])) < (6, 1),
+                    reason="MADV_COLLAPSE needs Linux 6.1 and transparent huge pages")
+def test_advise_moves_tensors_in_use_onto_huge_pages():
+    code = """
+t = torch.arange(16 * 2**20, dtype=torch.float32)   # 64 MiB on small pages, in use
+{}
+assert torch.equal(t, torch.arange(16 * 2**20, dtype=torch.float32))   # contents kept
+"""
+    if "[madvise]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
+        assert _huge_pages_gained(code.format("")) < 32 * 1024   # small pages unless asked
+    assert _huge_pages_gained(code.format("hugepages.advise([t])")) >= 32 * 1024

@@ -12,6 +12,7 @@ import types
 
 import torch
 
+from . import hugepages
 from .attention import AttentionMetadata, LanePlan
 from .models import LlamaModel
 
@@ -89,10 +90,13 @@ class CompiledDecode:
         if meta.decode.index is not None:
             torch._dynamo.mark_dynamic(meta.decode.index, 1)
             torch._dynamo.mark_dynamic(meta.decode.mask, 3)
-        self.batch_sizes.add(batch)
         ids = torch.tensor(input_ids + [0] * len(padding), device=self.device)
         pos = torch.tensor(positions + [0] * len(padding), device=self.device)
         # freezing turns the weights into constants, so oneDNN gets them prepacked (faster GEMV on
         # the CPU); it is read when a bucket compiles, which happens inside this call.
         with torch._inductor.config.patch(freezing=True):
-            return self._fn(ids, pos, meta)[:n]
+            logits = self._fn(ids, pos, meta)[:n]
+        if batch not in self.batch_sizes and self.device.type == "cpu":
+            hugepages.advise(hugepages.cpu_tensors())   # the bucket's new prepacked weights among them
+        self.batch_sizes.add(batch)
+        return logits

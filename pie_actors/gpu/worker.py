@@ -6,14 +6,12 @@ its shard and the row-parallel layers all-reduce. Ranks 1..tp-1 are `WorkerActor
 """
 from __future__ import annotations
 
-import ctypes
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from . import cpu_kernels
+from . import cpu_kernels, hugepages
 from .adapters import AdapterUse
 from .attention import AttentionMetadata, LanePlan
 from .compiled_decode import CompiledDecode
@@ -39,23 +37,6 @@ def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype, tp: 
     return 2 * cfg.num_layers * page_size * (cfg.num_kv_heads // tp) * cfg.head_dim * dtype.itemsize
 
 
-HUGE_PAGE = 2 << 20
-
-
-def kv_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-              huge_pages: bool = True) -> torch.Tensor:
-    """A zeroed KV page tensor; on Linux CPUs backed by transparent huge pages where the OS gives
-    them on request (THP "madvise" mode): decode reads each lane's pages from all over the pool, and
-    with 4 KiB memory pages each KV page read is a TLB miss (bench/paged_attention.py)."""
-    t = torch.empty(shape, dtype=dtype, device=device)
-    if huge_pages and device.type == "cpu" and sys.platform == "linux":
-        start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE              # untouched yet: advise first
-        end = (t.data_ptr() + t.nbytes) // HUGE_PAGE * HUGE_PAGE
-        if end > start:
-            ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE
-    return t.zero_()
-
-
 class Worker:
     """One rank: the model shard plus per-layer K and V caches of shape [kv_heads, num_pages * page_size, head_dim]."""
 
@@ -77,10 +58,11 @@ class Worker:
             torch.set_default_dtype(previous)
         self.model.load_weights(ckpt.weights())
         self.model.eval()
+        hugepages.advise(self.model.parameters())   # every decode step streams them all
         heads = self.cfg.num_kv_heads // self.comm.world_size
         # One page past the pool: a scratch page for the padding rows of compiled decode batches.
         shape = (heads, (num_pages + 1) * page_size, self.cfg.head_dim)
-        self.kv_caches = [(kv_tensor(shape, dtype, device), kv_tensor(shape, dtype, device))
+        self.kv_caches = [(hugepages.zeros(shape, dtype, device), hugepages.zeros(shape, dtype, device))
                           for _ in range(self.cfg.num_layers)]
         # decode attention: the C++ kernel on the CPU where it builds (cpu_kernels.py)
         use_kernel = (device.type == "cpu" and self.cfg.head_dim in cpu_kernels.HEAD_DIMS
