@@ -1,6 +1,7 @@
 """Reference systems for the engine benchmark: transformers `generate`, a plain eager torch decode loop,
-and llama.cpp. Each returns a `Speed` (decode and prefill tokens/s) measured the same way:
-a warm-up run, then the median of `repeats` timed runs, prefill and decode timed apart.
+and llama.cpp. Each is a `Run` (prefill and decode timed apart); `measure` times several systems
+round by round, so that the machine's drift hits them alike: a warm-up run each, then `repeats`
+rounds of one timed run per system, and the median of each.
 
 Every timed call gets fresh random prompts, so no system (the engine's prefix cache, llama.cpp's
 prefix reuse) can answer a prefill from a cache filled by an earlier call.
@@ -30,6 +31,7 @@ FIRST_PLAIN_TOKEN = 17  # SmolLM2 ids 0..16 are special tokens (<|im_start|>, <|
 # correctness checks (random ids make the model repeat itself, which agrees too easily)
 CHECK_PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407,
                 19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+THREADS = os.cpu_count() or 1
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -52,11 +54,29 @@ def fresh_prompts(batch: int, prompt_len: int, vocab_size: int = 49152) -> list[
     return rng.integers(FIRST_PLAIN_TOKEN, vocab_size, size=(batch, prompt_len)).tolist()
 
 
-def measure(run: Run, batch: int, prompt_len: int, new_tokens: int, repeats: int = 3) -> Speed:
-    run(batch, prompt_len, new_tokens)  # warm-up: lazy init, allocator growth, kernel selection
-    prefill_s, decode_s = zip(*(run(batch, prompt_len, new_tokens) for _ in range(repeats)))
-    decode = batch * (new_tokens - 1) / statistics.median(decode_s) if new_tokens > 1 else math.nan
-    return Speed(decode=decode, prefill=batch * prompt_len / statistics.median(prefill_s))
+def measure(runs: dict[str, Run], batch: int, prompt_len: int, new_tokens: int,
+            repeats: int = 3) -> dict[str, Speed | Exception]:
+    """Each system's median speed over `repeats` interleaved rounds; a system whose run raises gets
+    its exception instead and leaves the rotation."""
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
+    failed: dict[str, Exception] = {}
+    for round_ in range(repeats + 1):     # round 0 warms up: lazy init, allocator growth, kernels
+        for name, run in runs.items():
+            if name in failed:
+                continue
+            torch.set_num_threads(THREADS)   # a system may have changed it; every run starts equal
+            try:
+                t = run(batch, prompt_len, new_tokens)
+            except Exception as e:
+                failed[name] = e
+                continue
+            if round_:
+                times[name].append(t)
+    def speed(ts: list[tuple[float, float]]) -> Speed:
+        prefill_s, decode_s = zip(*ts)
+        decode = batch * (new_tokens - 1) / statistics.median(decode_s) if new_tokens > 1 else math.nan
+        return Speed(decode=decode, prefill=batch * prompt_len / statistics.median(prefill_s))
+    return {name: failed[name] if name in failed else speed(times[name]) for name in runs}
 
 
 def by_subtraction(generate: Generate) -> Run:
@@ -97,11 +117,8 @@ def hf_generate(model: torch.nn.Module, prompts: list[list[int]], new_tokens: in
     return out[:, ids.shape[1]:]
 
 
-def transformers_generate(gguf_path: str | os.PathLike[str], prompt_len: int, new_tokens: int, batch: int,
-                          dtype: str, repeats: int = 3) -> Speed:
-    model = hf_model(str(gguf_path), dtype)
-    return measure(by_subtraction(functools.partial(hf_generate, model)), batch, prompt_len, new_tokens, repeats)
-
+def transformers_run(gguf_path: str | os.PathLike[str], dtype: str) -> Run:
+    return by_subtraction(functools.partial(hf_generate, hf_model(str(gguf_path), dtype)))
 
 # ---------------------------------------------------------------------------------- plain torch loop
 
@@ -183,12 +200,9 @@ def torch_generate(m: Llama, prompts: list[list[int]], new_tokens: int) -> tuple
     return out, t1 - t0, time.perf_counter() - t1
 
 
-def torch_loop(gguf_path: str | os.PathLike[str], prompt_len: int, new_tokens: int, batch: int,
-               dtype: str, repeats: int = 3) -> Speed:
+def torch_run(gguf_path: str | os.PathLike[str], dtype: str) -> Run:
     m = torch_llama(str(gguf_path), dtype)
-    def run(b: int, length: int, n: int) -> tuple[float, float]:
-        return torch_generate(m, fresh_prompts(b, length), n)[1:]
-    return measure(run, batch, prompt_len, new_tokens, repeats)
+    return lambda b, length, n: torch_generate(m, fresh_prompts(b, length), n)[1:]
 
 
 def check_torch_loop(gguf_path: str | os.PathLike[str], new_tokens: int = 32) -> None:
@@ -227,13 +241,13 @@ def llama_cpp_generate(llm: Any, prompt: list[int], new_tokens: int) -> tuple[li
     return out, t1 - t0, time.perf_counter() - t1
 
 
-def llama_cpp(gguf_path: str | os.PathLike[str], prompt_len: int, new_tokens: int, n_threads: int = 2,
-              repeats: int = 3) -> Speed:
+def llama_cpp_run(gguf_path: str | os.PathLike[str], n_threads: int = 2) -> Run:
+    """One stream only: the batch must be 1."""
     llm = llama_cpp_model(str(gguf_path), n_threads)
     def run(b: int, length: int, n: int) -> tuple[float, float]:
+        assert b == 1, "llama.cpp runs one stream"
         return llama_cpp_generate(llm, fresh_prompts(1, length)[0], n)[1:]
-    return measure(run, 1, prompt_len, new_tokens, repeats)
-
+    return run
 
 if __name__ == "__main__":
     from gguf_variants import default_gguf

@@ -5,7 +5,8 @@
 
 Prints a markdown table (decode tokens/s at batch 1, 8, 32; prefill tokens/s of a 512-token prompt),
 then the engine's speed divided by each other system's. A system that cannot be imported shows
-"unavailable: <reason>" in its row.
+"unavailable: <reason>" in its row. The rows of one dtype are measured together, round by round (each
+round runs every system once), so the machine's drift over the minutes of a run hits them alike.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # before torch imports tqdm; see bas
 
 import torch
 
-from baselines import Speed, by_subtraction, llama_cpp, measure, torch_loop, transformers_generate
+from baselines import THREADS, Run, Speed, by_subtraction, llama_cpp_run, measure, torch_run, transformers_run
 from gguf_variants import default_gguf, variant
 from report import publish
 
@@ -34,13 +35,9 @@ SYSTEMS = ("engine", "engine-compiled", "transformers", "torch", "llamacpp")
 BATCHES = (1, 8, 32)
 DECODE_PROMPT_LEN = 32
 PREFILL_PROMPT_LEN = 512
-THREADS = os.cpu_count() or 1
+SINGLE_STREAM = {"llamacpp"}     # systems measured at batch 1 only
 # llama.cpp has no bf16 matmul path worth comparing on CPU; F16 is its 16-bit storage type
 LLAMA_CPP_TYPE = {"bfloat16": "F16", "float32": "F32"}
-
-# (batch, prompt_len, new_tokens, repeats) -> Speed
-SpeedFn = Callable[[int, int, int, int], Speed]
-
 
 @dataclass
 class Row:
@@ -57,56 +54,92 @@ def pie_engine(dtype: str, compile: bool) -> Any:
     return Engine.from_model("smollm2-135m-instruct", device="cpu", dtype=dtype, compile=compile)
 
 
-def engine_speed(dtype: str, compile: bool) -> SpeedFn:
+def engine_run(dtype: str, compile: bool) -> Run:
     engine = pie_engine(dtype, compile)  # import/construct here so a missing engine marks only its row
     def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
         return engine.generate(prompts, max_new_tokens=n, ignore_eos=True)
-    return lambda b, length, n, repeats: measure(by_subtraction(generate), b, length, n, repeats)
+    return by_subtraction(generate)
 
 
-def in_child(fn: Callable[..., Speed], *args: Any) -> Speed:
-    """fn(*args) in a process of its own, so that a crash fails one row, not the run: llama.cpp's
-    Q4_1 kernels die of a general protection fault in libggml-cpu on some hosts (llama-cpp-python
-    0.3.36 built here; F16 and F32 run)."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+_child_run: Run | None = None             # the Run a ChildRun's process serves
+
+
+def _child_start(make: Callable[..., Run], args: tuple) -> None:
+    global _child_run
+    _child_run = make(*args)
+
+
+def _child_call(b: int, length: int, n: int) -> tuple[float, float]:
+    return _child_run(b, length, n)
+
+
+class ChildRun:
+    """`make(*args)`'s Run, served by a process of its own, so that a crash fails one row, not the
+    run: llama.cpp's Q4_1 kernels die of a general protection fault in libggml-cpu on some hosts
+    (llama-cpp-python 0.3.36 built here; F16 and F32 run)."""
+
+    def __init__(self, make: Callable[..., Run], *args: Any):
+        self.pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                        initializer=_child_start, initargs=(make, args))
+
+    def __call__(self, b: int, length: int, n: int) -> tuple[float, float]:
         try:
-            return pool.submit(fn, *args).result()
+            return self.pool.submit(_child_call, b, length, n).result()
         except BrokenProcessPool:
             raise RuntimeError("the llama.cpp process crashed") from None
 
 
-def speed_fn(system: str, dtype: str) -> tuple[str, SpeedFn]:
-    """(weights label, speed function) for one table row."""
+def make_run(system: str, dtype: str) -> tuple[str, Run]:
+    """(weights label, run) for one table row; dtype "Q4_1" is for llamacpp only (the shipped file)."""
     gguf = default_gguf()  # Q4_1; transformers and the torch loop dequantize it to `dtype`
     if system in ("engine", "engine-compiled"):
-        return dtype, engine_speed(dtype, compile=system == "engine-compiled")
+        return dtype, engine_run(dtype, compile=system == "engine-compiled")
     if system == "transformers":
-        return dtype, lambda b, length, n, r: transformers_generate(gguf, length, n, b, dtype, r)
+        return dtype, transformers_run(gguf, dtype)
     if system == "torch":
-        return dtype, lambda b, length, n, r: torch_loop(gguf, length, n, b, dtype, r)
+        return dtype, torch_run(gguf, dtype)
     if system == "llamacpp":
         import llama_cpp as _  # noqa: F401  fail fast (unavailable) before writing a GGUF variant
         kind = dtype if dtype == "Q4_1" else LLAMA_CPP_TYPE[dtype]
-        path = variant(kind)
-        return f"GGUF {kind}", lambda b, length, n, r: in_child(llama_cpp, path, length, n, THREADS, r)
+        return f"GGUF {kind}", ChildRun(llama_cpp_run, str(variant(kind)), THREADS)
     raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
 
 
-def bench_row(system: str, dtype: str, new_tokens: int, repeats: int) -> Row:
-    torch.set_num_threads(THREADS)  # a system under test may have changed it; every row starts equal
-    row = Row(system, dtype)
-    try:
-        row.weights, fn = speed_fn(system, dtype)
-        for b in (1,) if system == "llamacpp" else BATCHES:  # llama.cpp: single stream only
-            row.decode[b] = fn(b, DECODE_PROMPT_LEN, new_tokens, repeats).decode
-            print(f"  {system} {row.weights} batch {b}: {row.decode[b]:.1f} tok/s", file=sys.stderr)
-        row.prefill = fn(1, PREFILL_PROMPT_LEN, 1, repeats).prefill
-    except ImportError as e:
-        row.note = f"unavailable: {e}"
-    except Exception as e:  # keep the other rows of a long run; the traceback goes to stderr
-        traceback.print_exc()
-        row.note = f"failed: {type(e).__name__}: {e}"
-    return row
+def bench_rows(specs: list[tuple[str, str]], new_tokens: int, repeats: int) -> list[Row]:
+    """One row per (system, dtype), every measurement interleaved round by round among the rows."""
+    rows = [Row(system, dtype) for system, dtype in specs]
+    runs: dict[int, Run] = {}
+    for i, row in enumerate(rows):
+        try:
+            row.weights, runs[i] = make_run(row.system, row.weights)
+        except ImportError as e:
+            row.note = f"unavailable: {e}"
+        except Exception as e:  # keep the other rows of a long run; the traceback goes to stderr
+            traceback.print_exc()
+            row.note = f"failed: {type(e).__name__}: {e}"
+
+    def record(speeds: dict[int, Speed | Exception], put: Callable[[Row, Speed], None]) -> None:
+        for i, speed in speeds.items():
+            if isinstance(speed, Exception):
+                print("".join(traceback.format_exception(speed)), file=sys.stderr)
+                rows[i].note = f"failed: {type(speed).__name__}: {speed}"
+                del runs[i]
+            else:
+                put(rows[i], speed)
+
+    for b in BATCHES:
+        batch_runs = {i: run for i, run in runs.items() if b == 1 or rows[i].system not in SINGLE_STREAM}
+        record(measure(batch_runs, b, DECODE_PROMPT_LEN, new_tokens, repeats),
+               lambda row, speed: row.decode.__setitem__(b, speed.decode))
+        for i in batch_runs:
+            if i in runs:
+                print(f"  {rows[i].system} {rows[i].weights} batch {b}: {rows[i].decode[b]:.1f} tok/s",
+                      file=sys.stderr)
+    record(measure(runs, 1, PREFILL_PROMPT_LEN, 1, repeats), lambda row, speed: setattr(row, "prefill", speed.prefill))
+    for run in runs.values():
+        if isinstance(run, ChildRun):
+            run.pool.shutdown()
+    return rows
 
 
 def fmt(x: float | None) -> str:
@@ -158,14 +191,17 @@ def main() -> None:
     dtypes = args.dtype.split(",")
 
     load_before = os.getloadavg()[0]  # other processes on 2 cores skew every number: record them
-    rows = [bench_row(s, d, new_tokens, repeats) for d in dtypes for s in systems]
-    if "llamacpp" in systems:  # the shipped quantized file: llama.cpp's best case, for reference
-        rows.append(bench_row("llamacpp", "Q4_1", new_tokens, repeats))
+    rows = []
+    for dtype in dtypes:                  # the rows of one dtype are measured together
+        specs = [(s, dtype) for s in systems]
+        if "llamacpp" in systems and dtype == dtypes[0]:   # the shipped quantized file: llama.cpp's best case
+            specs.append(("llamacpp", "Q4_1"))
+        rows += bench_rows(specs, new_tokens, repeats)
 
     llama_version = getattr(sys.modules.get("llama_cpp"), "__version__", "n/a")
     env = (f"{platform.processor() or platform.machine()}, {THREADS} threads, torch {torch.__version__}, "
            f"llama-cpp-python {llama_version}; SmolLM2-135M-Instruct; {new_tokens} new tokens, "
-           f"decode prompt {DECODE_PROMPT_LEN} tokens, median of {repeats}; "
+           f"decode prompt {DECODE_PROMPT_LEN} tokens, median of {repeats} rounds interleaved across a dtype's rows; "
            f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
     report = f"{table(rows)}\n\n{ratios(rows)}\n"
     publish(env, report, args.out, args.title)
