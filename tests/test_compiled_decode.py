@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pie_actors.gpu import gemm_prefetch
 from pie_actors.gpu.compiled_decode import FUSED_ATTENTION_MAX_BATCH
 from pie_actors.gpu.engine import Engine, Lane, PassRequest
 from tests.engine_helpers import save_tiny_model
@@ -61,3 +62,24 @@ def test_two_compiled_engines_in_one_process_keep_their_own_weights(tmp_path):
     for w, c in zip(want_b, results["b"]):
         torch.testing.assert_close(c, w, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(results["a"][-1], results["b"][-1])
+
+
+def test_gemm_prefetch_fits_this_torch():
+    assert gemm_prefetch.applies(), "inductor's AMX micro-GEMM template changed: update gemm_prefetch.py"
+
+
+@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="needs AMX for inductor's AMX micro-GEMM")
+def test_gemm_prefetch_compiles_into_amx_gemms_and_keeps_results():
+    from torch._inductor.utils import run_and_get_code
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 512, bias=False).to(torch.bfloat16).eval()
+    x = torch.randn(32, 256, dtype=torch.bfloat16)
+    options = {"max_autotune": True, "max_autotune_gemm_backends": "CPP",
+               "post_grad_custom_post_pass": gemm_prefetch.CacheKey()}
+    compiled = torch.compile(linear, options=options)
+    with torch.inference_mode(), torch._inductor.config.patch(freezing=True), gemm_prefetch.patched():
+        out, code = run_and_get_code(compiled, x)
+        expected = linear(x)
+    assert "_mm_prefetch" in "".join(code) and "_tile_dpbf16ps" in "".join(code)
+    torch.testing.assert_close(out, expected)
+    assert gemm_prefetch._original is None        # the template is restored on leaving

@@ -8,11 +8,12 @@ Padding lanes write into and attend to a scratch page that no sequence owns.
 """
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
 
-from . import hugepages
+from . import gemm_prefetch, hugepages
 from .attention import AttentionMetadata, LanePlan
 from .models import LlamaModel
 
@@ -55,6 +56,8 @@ class CompiledDecode:
             # keeps the faster, at ~20 s more per bucket's compile (bench/RESULTS.md, "compiled
             # decode forms").
             options |= {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+        if self.device.type == "cpu" and gemm_prefetch.applies():
+            options |= {"post_grad_custom_post_pass": gemm_prefetch.CacheKey()}   # see `run`
         if self.device.type == "cpu" and cpp_wrapper:
             # The graph's ~400 kernel calls from generated C++ instead of Python: 1.03-1.09x a step
             # here, ~10 s more compile per bucket (bench/RESULTS.md, "compiled decode forms").
@@ -92,9 +95,11 @@ class CompiledDecode:
             torch._dynamo.mark_dynamic(meta.decode.mask, 3)
         ids = torch.tensor(input_ids + [0] * len(padding), device=self.device)
         pos = torch.tensor(positions + [0] * len(padding), device=self.device)
-        # freezing turns the weights into constants, so oneDNN gets them prepacked (faster GEMV on
-        # the CPU); it is read when a bucket compiles, which happens inside this call.
-        with torch._inductor.config.patch(freezing=True):
+        # freezing turns the weights into constants, so the GEMMs get them prepacked (faster on the
+        # CPU), and the AMX GEMMs prefetch their weights (gemm_prefetch.py); both are read when a
+        # bucket compiles, which happens inside this call.
+        prefetch = gemm_prefetch.patched() if self.device.type == "cpu" else contextlib.nullcontext()
+        with torch._inductor.config.patch(freezing=True), prefetch:
             logits = self._fn(ids, pos, meta)[:n]
         if batch not in self.batch_sizes and self.device.type == "cpu":
             hugepages.advise(hugepages.cpu_tensors())   # the bucket's new prepacked weights among them
