@@ -59,4 +59,5 @@ def cpu_tensors(min_bytes: int = 1 << 16) -> list[torch.Tensor]:
     compile and hands out no other way."""
     return [o for o in gc.get_objects()
             if type(o) in (torch.Tensor, torch.nn.Parameter) and o.device.type == "cpu"
+            and o.layout == torch.strided      # not oneDNN's opaque packed weights: no storage
             and o.untyped_storage().nbytes() >= min_bytes]
