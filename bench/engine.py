@@ -118,24 +118,25 @@ def bench_rows(specs: list[tuple[str, str]], new_tokens: int, repeats: int) -> l
             traceback.print_exc()
             row.note = f"failed: {type(e).__name__}: {e}"
 
-    def record(speeds: dict[int, Speed | Exception], put: Callable[[Row, Speed], None]) -> None:
-        for i, speed in speeds.items():
+    def measured(batch: int, prompt_len: int, n: int, which: list[int]) -> dict[int, Speed]:
+        """`measure` of these rows' runs; a row whose run fails gets its note and leaves `runs`."""
+        speeds = {}
+        for i, speed in measure({i: runs[i] for i in which}, batch, prompt_len, n, repeats).items():
             if isinstance(speed, Exception):
                 print("".join(traceback.format_exception(speed)), file=sys.stderr)
                 rows[i].note = f"failed: {type(speed).__name__}: {speed}"
                 del runs[i]
             else:
-                put(rows[i], speed)
+                speeds[i] = speed
+        return speeds
 
     for b in BATCHES:
-        batch_runs = {i: run for i, run in runs.items() if b == 1 or rows[i].system not in SINGLE_STREAM}
-        record(measure(batch_runs, b, DECODE_PROMPT_LEN, new_tokens, repeats),
-               lambda row, speed: row.decode.__setitem__(b, speed.decode))
-        for i in batch_runs:
-            if i in runs:
-                print(f"  {rows[i].system} {rows[i].weights} batch {b}: {rows[i].decode[b]:.1f} tok/s",
-                      file=sys.stderr)
-    record(measure(runs, 1, PREFILL_PROMPT_LEN, 1, repeats), lambda row, speed: setattr(row, "prefill", speed.prefill))
+        which = [i for i in runs if b == 1 or rows[i].system not in SINGLE_STREAM]
+        for i, speed in measured(b, DECODE_PROMPT_LEN, new_tokens, which).items():
+            rows[i].decode[b] = speed.decode
+            print(f"  {rows[i].system} {rows[i].weights} batch {b}: {speed.decode:.1f} tok/s", file=sys.stderr)
+    for i, speed in measured(1, PREFILL_PROMPT_LEN, 1, list(runs)).items():
+        rows[i].prefill = speed.prefill
     for run in runs.values():
         if isinstance(run, ChildRun):
             run.pool.shutdown()

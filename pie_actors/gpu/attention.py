@@ -147,6 +147,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     k_cache[:, meta.write_slots] = k.transpose(0, 1)    # index_put: stays in place under torch.compile
     v_cache[:, meta.write_slots] = v.transpose(0, 1)
+    out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     if meta.decode is not None:
         g = meta.decode
@@ -159,11 +160,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             o = _decode_attention(qd, _gather(k_cache, g.index), _gather(v_cache, g.index), g.mask,
                                   meta.decode_form)
         if g.whole_batch:
-            return o
-        out = torch.empty_like(q)
+            return o                      # a decode step: `out` is unused (dropped when compiled)
         out.index_copy_(0, g.rows, o)
-    else:
-        out = torch.empty_like(q)
     for s in meta.singles:
         # Batched 4-D inputs: CPU SDPA takes its flash kernel only for those (3-D: the math path, 3x slower).
         qs = q[s.start:s.end].transpose(0, 1).unsqueeze(0)                 # [1, Hq, L, D]
