@@ -1,6 +1,8 @@
 """Compiled decode graphs give the eager engine's tokens and logits (tiny model: compiles in seconds)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -80,6 +82,8 @@ def test_gemm_prefetch_compiles_into_amx_gemms_and_keeps_results():
     with torch.inference_mode(), torch._inductor.config.patch(freezing=True), gemm_prefetch.patched():
         out, code = run_and_get_code(compiled, x)
         expected = linear(x)
-    assert "_mm_prefetch" in "".join(code) and "_tile_dpbf16ps" in "".join(code)
+    code = "".join(code)
+    assert "_mm_prefetch" in code and "_tile_dpbf16ps" in code
+    assert re.search(r"_tile_stream_loadd\(\d+, B", code) and re.search(r"_tile_loadd\(\d+, A", code)
     torch.testing.assert_close(out, expected)
     assert gemm_prefetch._original is None        # the template is restored on leaving

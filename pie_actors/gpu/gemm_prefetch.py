@@ -1,4 +1,5 @@
-"""Software prefetch in inductor's AMX micro-GEMM, for the decode steps compiled on the CPU.
+"""Software prefetch and decode-shaped cache hints in inductor's AMX micro-GEMM, for the decode steps
+compiled on the CPU.
 
 At decode M is the batch (1-32 rows): each 2 KiB tile of packed weights feeds a couple of tile
 multiplies, and the GEMMs wait on memory. Inductor's AMX micro-kernel (torch 2.13's
@@ -7,8 +8,8 @@ only when it multiplies it, so few tiles are ever in flight: the weights streame
 plain read of them reaches ~26. Within `patched()` the template also prefetches, into L2, the weight
 tiles it will load `DISTANCE` k-steps later; a thread's column blocks lie one after another in the
 packed weight, so near the end of a block the prefetch runs on into the next. A batch-32 step:
-1.06-1.07x (bench/RESULTS.md). Where torch's template differs from the one this was written for,
-nothing is patched.
+1.06-1.07x (bench/RESULTS.md). The tile loads' cache hints are also swapped (see `_EDITS`). Where
+torch's template differs from the one this was written for, nothing is patched.
 """
 from __future__ import annotations
 
@@ -30,6 +31,16 @@ _PREFETCH = _ANCHOR + """\
                 _MM_HINT_T1);
 {%- endfor %}
 """
+_LOAD_A = "_tile_stream_loadd({{tile_idx_a}}, A"
+_LOAD_B = "_tile_loadd({{tile_idx_b}}, B"
+# (template text, its replacement), each found exactly once in the template. Besides the prefetch,
+# the tile loads' cache hints trade places: the template streams A (the activations) and caches B
+# (the weights), which suits large M; at decode M is small, every column block reads all of A again
+# while each weight tile is read once, so caching the weights evicts A from L1 for nothing. One
+# batch-32 gate GEMM: 1.3x hot in L2, ~1.1-1.2x from memory (bench/RESULTS.md).
+_EDITS = ((_ANCHOR, _PREFETCH),
+          (_LOAD_A, "_tile_loadd({{tile_idx_a}}, A"),
+          (_LOAD_B, "_tile_stream_loadd({{tile_idx_b}}, B"))
 _lock = threading.Lock()
 _users = 0
 _original: str | None = None
@@ -43,18 +54,20 @@ def _template_class():
 
 def applies() -> bool:
     """Whether this torch's AMX micro-GEMM template is the one the patch is written for."""
-    return _template_class().TEMPLATE_KERNEL.count(_ANCHOR) == 1
+    template = _template_class().TEMPLATE_KERNEL
+    return all(template.count(old) == 1 for old, _ in _EDITS)
 
 
 @contextlib.contextmanager
 def patched() -> Iterator[None]:
-    """Inductor compiles AMX GEMMs with the prefetch while any thread is inside this block."""
+    """Inductor compiles AMX GEMMs with the edits while any thread is inside this block."""
     global _users, _original
     cls = _template_class()
     with _lock:
         if _users == 0 and applies():
             _original = cls.TEMPLATE_KERNEL
-            cls.TEMPLATE_KERNEL = _original.replace(_ANCHOR, _PREFETCH)
+            for old, new in _EDITS:
+                cls.TEMPLATE_KERNEL = cls.TEMPLATE_KERNEL.replace(old, new)
         _users += 1
     try:
         yield
@@ -67,10 +80,10 @@ def patched() -> Iterator[None]:
 
 class CacheKey(CustomGraphPass):
     """A graph pass that does nothing: its uuid puts the patch into inductor's FX graph cache key, so
-    a graph compiled with the prefetch is never served to a compile without it, or the reverse."""
+    a graph compiled with the edits is never served to a compile without them, or the reverse."""
 
     def __call__(self, graph) -> None:
         pass
 
     def uuid(self) -> str:
-        return hashlib.sha256(_PREFETCH.encode()).hexdigest()
+        return hashlib.sha256(repr(_EDITS).encode()).hexdigest()
