@@ -31,16 +31,15 @@ _PREFETCH = _ANCHOR + """\
                 _MM_HINT_T1);
 {%- endfor %}
 """
-_LOAD_A = "_tile_stream_loadd({{tile_idx_a}}, A"
-_LOAD_B = "_tile_loadd({{tile_idx_b}}, B"
 # (template text, its replacement), each found exactly once in the template. Besides the prefetch,
 # the tile loads' cache hints trade places: the template streams A (the activations) and caches B
 # (the weights), which suits large M; at decode M is small, every column block reads all of A again
 # while each weight tile is read once, so caching the weights evicts A from L1 for nothing. One
-# batch-32 gate GEMM: 1.3x hot in L2, ~1.1-1.2x from memory (bench/RESULTS.md).
+# batch-32 gate GEMM: 1.3x hot in L2, ~1.1-1.2x from memory; a batch-32 step 1.00-1.04x
+# (bench/RESULTS.md, `bench/gemm_edits.py`).
 _EDITS = ((_ANCHOR, _PREFETCH),
-          (_LOAD_A, "_tile_loadd({{tile_idx_a}}, A"),
-          (_LOAD_B, "_tile_stream_loadd({{tile_idx_b}}, B"))
+          ("_tile_stream_loadd({{tile_idx_a}}, A", "_tile_loadd({{tile_idx_a}}, A"),
+          ("_tile_loadd({{tile_idx_b}}, B", "_tile_stream_loadd({{tile_idx_b}}, B"))
 _lock = threading.Lock()
 _users = 0
 _original: str | None = None
