@@ -44,9 +44,10 @@ def main() -> None:
         for name, run in runs.items():
             _, decode = run(args.batch, PROMPT_LEN, NEW_TOKENS)
             speeds[name].append(args.batch * (NEW_TOKENS - 1) / decode)
-    a, b = (statistics.median(speeds[n]) for n in ("A", "B"))
-    rows = [f"| A: first {args.keep} of {len(every)} edits | {a:.1f} | 1.00x | {', '.join(f'{s:.0f}' for s in speeds['A'])} |",
-            f"| B: all {len(every)} edits | {b:.1f} | {b / a:.3f}x | {', '.join(f'{s:.0f}' for s in speeds['B'])} |"]
+    labels = {"A": f"A: first {args.keep} of {len(every)} edits", "B": f"B: all {len(every)} edits"}
+    med = {name: statistics.median(s) for name, s in speeds.items()}
+    rows = [f"| {labels[n]} | {med[n]:.1f} | {med[n] / med['A']:.3f}x | {', '.join(f'{s:.0f}' for s in speeds[n])} |"
+            for n in runs]
     report = "\n".join(["| engine | median decode tok/s | ÷ A | every round |", "|---|---|---|---|", *rows])
     env = (f"bf16, batch {args.batch}, {PROMPT_LEN}-token prompts, {NEW_TOKENS} new tokens, "
            f"{args.rounds} alternating rounds; 1-min load average {os.getloadavg()[0]:.1f} at the end")
