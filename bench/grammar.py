@@ -36,10 +36,10 @@ import torch
 from report import publish
 
 from pie_actors.gpu.engine import Lane, PassRequest
-from pie_actors.gpu.server import serve_model
+from pie_actors.gpu.engine.data_plane import serve_model
 from pie_actors.inferlet.chat_ops import ChatTokens
 from pie_actors.inferlet.grammar import GrammarCompiler, Matcher
-from pie_actors.inferlet.runtime import run_inferlet
+from pie_actors.inferlet.run import run_inferlet
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "home"],
           "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0},

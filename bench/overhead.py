@@ -29,8 +29,8 @@ import uvloop
 from report import publish
 
 from pie_actors.gpu.engine import Engine, Lane, PassRequest
-from pie_actors.gpu.epilogues import simple_epilogue
-from pie_actors.gpu.server import start_engine_actor
+from pie_actors.gpu.engine.epilogues import simple_epilogue
+from pie_actors.gpu.engine.actor import start_engine_actor
 from pie_actors.inferlet.engine_client import EngineClient
 from pie_actors.model_store import resolve_model
 

@@ -1,5 +1,5 @@
 """CPU decode attention of one layer, side by side (issue 2): the C++ paged kernel
-(pie_actors/gpu/csrc/paged_decode.cpp) against the torch gather path, and the kernel on pages laid
+(pie_actors/gpu/kernels/csrc/paged_decode.cpp) against the torch gather path, and the kernel on pages laid
 out in order or scattered over the pool, in KV tensors on 4 KiB or transparent huge pages.
 
     python bench/paged_attention.py [--batches 1,8,32] [--context 128] [--pool-pages 4096] [--rounds 5]
@@ -22,9 +22,9 @@ import torch
 
 from report import publish
 
-from pie_actors.gpu import cpu_kernels
-from pie_actors.gpu.attention import _decode_attention, _gather
-from pie_actors.gpu import hugepages
+from pie_actors.gpu.kernels import cpu_kernels
+from pie_actors.gpu.kernels.attention import _decode_attention, _gather
+from pie_actors.gpu.kernels import hugepages
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE, LAYERS = 9, 3, 64, 16, 30
 

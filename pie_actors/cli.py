@@ -209,9 +209,9 @@ def _run(args: argparse.Namespace) -> int:
 
 def _run_local(args, inputs: dict, files: dict, out: _Output, engine_options: dict):
     """Everything in this process: an engine, its data-plane server, the sandbox."""
-    from .gpu.server import serve_model
+    from .gpu.engine.data_plane import serve_model
     from .inferlet.host import Sandbox
-    from .inferlet.runtime import run_inferlet
+    from .inferlet.run import run_inferlet
 
     source, bundle = _inferlet(args.file)
     server, address = serve_model(args.model or "", **engine_options)

@@ -42,7 +42,7 @@ class Controller:
     def engine(self, model: str = "", **engine_kwargs: Any) -> tuple[str, int]:
         """The address of `model`'s engine, started in the cluster on first use."""
         from .config import load_config
-        from .gpu.server import start_engine_actor
+        from .gpu.engine.actor import start_engine_actor
         model = model or load_config()["model"]
         if model not in self.engines:
             self.engines[model] = start_engine_actor(model, **engine_kwargs)

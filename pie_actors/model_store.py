@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .config import DEFAULT_MODEL, pie_home
-from .gpu.loader import ModelLoadError, import_gguf, load_checkpoint
-from .gpu.tokenizer import Tokenizer
+from .gpu.model.loader import ModelLoadError, import_gguf, load_checkpoint
+from .tokenizer import Tokenizer
 
 SOURCE_FILE = "pie_source.json"  # where a stored model came from: lets a .gguf path map back to its import
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from pie_actors.inferlet.runtime import run_inferlet
+from pie_actors.inferlet.run import run_inferlet
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pie_actors.gpu.channels import ChannelError, ChannelStore
+from pie_actors.gpu.engine.channels import ChannelError, ChannelStore
 
 
 def test_values_queue_in_order_within_capacity_and_shape():

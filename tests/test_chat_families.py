@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pie_actors.gpu.tokenizer import Tokenizer
+from pie_actors.tokenizer import Tokenizer
 from pie_actors.inferlet.chat_ops import ChatTokens
 from pie_actors.inferlet.host import HostOpError
 from pie_actors.inferlet.tools import ToolFormat

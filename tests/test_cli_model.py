@@ -11,7 +11,7 @@ import torch
 
 from pie_actors import config, model_store
 from pie_actors.cli import main
-from pie_actors.gpu.loader import ModelLoadError, load_checkpoint
+from pie_actors.gpu.model.loader import ModelLoadError, load_checkpoint
 from pie_actors.model_store import UnknownModel, import_model, list_models, resolve_model
 
 from conftest import save_tiny, write_tiny_gguf

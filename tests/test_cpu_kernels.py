@@ -1,4 +1,4 @@
-"""The C++ kernels (pie_actors/gpu/csrc): paged decode attention equals the torch gather path and
+"""The C++ kernels (pie_actors/gpu/kernels/csrc): paged decode attention equals the torch gather path and
 rejects bad shapes; the row argmax equals torch.max's indices; KV tensors sit on huge pages."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pie_actors.gpu import cpu_kernels, hugepages
-from pie_actors.gpu.attention import AttentionMetadata, LanePlan, _decode_attention, _gather
+from pie_actors.gpu.kernels import cpu_kernels, hugepages
+from pie_actors.gpu.kernels.attention import AttentionMetadata, LanePlan, _decode_attention, _gather
 from pie_actors.gpu.eta.ops import argmax
 
 PAGE = 16
@@ -107,7 +107,7 @@ def _huge_pages_gained(code: str) -> int:
     script = f"""
 from pathlib import Path
 import torch
-from pie_actors.gpu import hugepages
+from pie_actors.gpu.kernels import hugepages
 def huge():
     return int(Path("/proc/self/smaps_rollup").read_text().split("AnonHugePages:")[1].split()[0])
 before = huge()

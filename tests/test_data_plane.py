@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from pie_actors import model_store, protocol
+from pie_actors import model_store
+from pie_actors.gpu.engine import wire
 from pie_actors.cli import main as pie_main
-from pie_actors.gpu.server import EngineServer
+from pie_actors.gpu.engine.data_plane import EngineServer
 from pie_actors.inferlet.engine_client import EngineClient, EngineError
 from tests.engine_helpers import serve
 
@@ -55,7 +56,7 @@ def test_greedy_through_client_equals_engine(served):
         async with await EngineClient.connect(*server.address) as client:
             info = await client.info()
             seq = await client.create()
-            logits = await client.forward([{"seq": seq, "tokens": prompt}], protocol.LOGITS)
+            logits = await client.forward([{"seq": seq, "tokens": prompt}], wire.LOGITS)
             state = await client.state(seq)
             return info, logits, state, await decode(client, prompt, 6)
 
@@ -101,7 +102,7 @@ def test_bad_requests_fail_alone(served):
     async def raw_exchange(frames: list[bytes]) -> list[dict]:
         reader, writer = await asyncio.open_connection(*server.address)
         writer.write(b"".join(frames))
-        replies = [protocol.unpack(await protocol.read_frame(reader)) for _ in frames]
+        replies = [wire.unpack(await wire.read_frame(reader)) for _ in frames]
         writer.close()
         return replies
 
@@ -112,10 +113,10 @@ def test_bad_requests_fail_alone(served):
             "unknown sequence": client.forward([{"seq": 10**9, "tokens": [1]}]),
             "other connection's sequence": client.forward([{"seq": foreign, "tokens": [1]}]),
             "free other's": client.free(foreign),
-            "tokens not ints": client.call("pass", lanes=[{"seq": seq, "tokens": "abc"}], epilogue=protocol.ARGMAX),
-            "lanes not a list": client.call("pass", lanes="x", epilogue=protocol.ARGMAX),
+            "tokens not ints": client.call("pass", lanes=[{"seq": seq, "tokens": "abc"}], epilogue=wire.ARGMAX),
+            "lanes not a list": client.call("pass", lanes="x", epilogue=wire.ARGMAX),
             "unknown lane field": client.call("pass", lanes=[{"seq": seq, "tokens": [1], "readouts": [0]}],
-                                              epilogue=protocol.ARGMAX),
+                                              epilogue=wire.ARGMAX),
             "unknown epilogue": client.forward([{"seq": seq, "tokens": [1]}], {"kind": "nope"}),
             "reserve end not int": client.call("reserve", seq=seq, end="9"),
             "unknown op": client.call("explode"),
@@ -134,11 +135,11 @@ def test_bad_requests_fail_alone(served):
             good = asyncio.ensure_future(decode(client, prompt, 4))
             errors = await bad(client, other)
             raw = await raw_exchange([
-                protocol.HEADER.pack(3) + b"\xc1\xc1\xc1",               # not msgpack
-                protocol.pack([1, 2]),                                   # not a request map
-                protocol.pack(protocol.request("7", "info")),            # id not an int
-                protocol.pack(protocol.request(7, "free", seq=None)),    # seq not an int
-                protocol.pack(protocol.request(8, "info")),              # the connection still serves
+                wire.HEADER.pack(3) + b"\xc1\xc1\xc1",               # not msgpack
+                wire.pack([1, 2]),                                   # not a request map
+                wire.pack(wire.request("7", "info")),            # id not an int
+                wire.pack(wire.request(7, "free", seq=None)),    # seq not an int
+                wire.pack(wire.request(8, "info")),              # the connection still serves
             ])
             return await good, errors, raw
 
@@ -190,8 +191,8 @@ def test_closing_a_connection_frees_its_sequences(served):
 def test_pending_calls_fail_when_the_connection_drops():
     """An engine that reads two requests, then dies without answering."""
     async def engine_that_dies(reader, writer):
-        await protocol.read_frame(reader)
-        await protocol.read_frame(reader)
+        await wire.read_frame(reader)
+        await wire.read_frame(reader)
         writer.close()
 
     async def main():
@@ -229,8 +230,8 @@ def dummy_home(default_model_dir, tmp_path_factory) -> Path:
 
 
 def test_dummy_model_resolves_and_lists(dummy_home, tmp_path, monkeypatch, capsys):
-    from pie_actors.gpu.loader import load_checkpoint
-    from pie_actors.gpu.tokenizer import Tokenizer
+    from pie_actors.gpu.model.loader import load_checkpoint
+    from pie_actors.tokenizer import Tokenizer
 
     monkeypatch.setenv("PIE_HOME", str(dummy_home))
     folder = model_store.resolve_model("dummy")
@@ -264,7 +265,7 @@ def ray_local():
 
 def test_engine_actor_serves_a_client(ray_local, dummy_home):
     from pie_actors.gpu.engine import Engine
-    from pie_actors.gpu.server import start_engine_actor
+    from pie_actors.gpu.engine.actor import start_engine_actor
 
     folder = dummy_home / "models" / "dummy"
     options = dict(device="cpu", dtype="float32", num_pages=64)

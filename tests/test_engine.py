@@ -243,7 +243,7 @@ def test_a_failing_adapter_fails_only_its_pass(engine):
 
 
 def test_adapter_sites():
-    from pie_actors.gpu.adapters import parse_site
+    from pie_actors.gpu.model.adapters import parse_site
     assert parse_site("o", 30) == ("o", None) and parse_site("layers.29.q", 30) == ("q", 29)
     for bad in ("layers.30.q", "lm_head", "layers.x.q", 3):
         with pytest.raises(ValueError, match="unknown adapter site"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pie_actors.inferlet import InferletError
-from pie_actors.inferlet.runtime import RUN_AHEAD_WINDOW
+from pie_actors.inferlet.run import RUN_AHEAD_WINDOW
 from tests.inferlet_helpers import referenced, run, settle
 
 PROMPT = "The capital of France is"

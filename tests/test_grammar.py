@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pie_actors.gpu.engine import Lane, PassRequest
-from pie_actors.gpu.tokenizer import Tokenizer
+from pie_actors.tokenizer import Tokenizer
 from pie_actors.inferlet.chat_ops import ChatTokens
 from pie_actors.inferlet.grammar import GrammarCompiler, GrammarError, Matcher
 from pie_actors.inferlet.tools import ToolCallDecoder, ToolFormat

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from pie_actors.gpu.server import start_engine_actor
+from pie_actors.gpu.engine.actor import start_engine_actor
 from pie_actors.inferlet.actor import inferlet_actor
 
 QUICKSTART = (Path(__file__).resolve().parent.parent / "examples/quickstart/main.py").read_text()

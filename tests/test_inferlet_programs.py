@@ -9,7 +9,7 @@ import pytest
 
 from pie_actors.inferlet import InferletError
 from pie_actors.inferlet.chat_ops import ChatTokens
-from pie_actors.inferlet.runtime import CHANNEL_CAPACITY, FRAME_SIZE, RUN_AHEAD_WINDOW
+from pie_actors.inferlet.run import CHANNEL_CAPACITY, FRAME_SIZE, RUN_AHEAD_WINDOW
 from tests.inferlet_helpers import EXAMPLES, referenced, run, settle
 
 QUICKSTART = (EXAMPLES / "quickstart" / "main.py").read_text()

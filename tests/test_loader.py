@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from pie_actors.gpu.loader import ModelLoadError, import_gguf, load_checkpoint
-from pie_actors.gpu.models.config import UnsupportedModel
+from pie_actors.gpu.model.loader import ModelLoadError, import_gguf, load_checkpoint
+from pie_actors.gpu.model.config import UnsupportedModel
 
 from conftest import save_tiny
 

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from pie_actors.gpu.chat_template import ChatTemplate, TemplateError
-from pie_actors.gpu.loader import import_gguf
-from pie_actors.gpu.tokenizer import Tokenizer, tokenizer_from_gguf
+from pie_actors.chat_template import ChatTemplate, TemplateError
+from pie_actors.gpu.model.loader import import_gguf
+from pie_actors.tokenizer import Tokenizer, tokenizer_from_gguf
 
 TEXTS = [
     "Hello, world!",

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from pie_actors.gpu.tokenizer import Tokenizer
+from pie_actors.tokenizer import Tokenizer
 from pie_actors.inferlet.chat_ops import ChatTokens
 from pie_actors.inferlet.reasoning import ReasoningDecoder
 from pie_actors.inferlet.textstream import TextStream

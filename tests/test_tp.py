@@ -50,7 +50,7 @@ def test_tp2_matches_tp1_on_a_qwen3_shaped_model(ray_local, tmp_path):
 
 def test_tp3_matches_tp1_on_the_default_model(ray_local, default_model_dir):
     # SmolLM2-135M has 9 heads and 3 KV heads: 3 is the tensor-parallel size it splits over.
-    from pie_actors.gpu.tokenizer import Tokenizer
+    from pie_actors.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(default_model_dir)
     _check_same_as_tp1(default_model_dir, 3, [tok.encode(p) for p in PROMPTS[:3]])
 

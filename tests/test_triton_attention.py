@@ -11,8 +11,8 @@ import textwrap
 
 CHECK = textwrap.dedent("""
     import torch
-    from pie_actors.gpu.attention import AttentionMetadata, LanePlan, _decode_attention, _gather
-    from pie_actors.gpu.triton_attention import paged_decode_attention
+    from pie_actors.gpu.kernels.attention import AttentionMetadata, LanePlan, _decode_attention, _gather
+    from pie_actors.gpu.kernels.triton_attention import paged_decode_attention
 
     g = torch.Generator().manual_seed(0)
     page, pool, hkv, d = 4, 24, 2, 16

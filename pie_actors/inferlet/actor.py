@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 from .build import cache_dir
 from .host import HostOpError, InferletError, Sandbox
-from .runtime import InferletHost, default_sandbox, run_inferlet
+from .run import InferletHost, default_sandbox, run_inferlet
 
 _DONE = object()
 MAX_BUNDLES = 4          # bundle sandboxes kept loaded per actor

@@ -1,4 +1,4 @@
-"""Asyncio client of the engine's data-plane server (`pie_actors.gpu.server`), used by inferlet actors.
+"""Asyncio client of the engine's data-plane server (`pie_actors.gpu.engine.data_plane`), used by inferlet actors.
 
 Calls are pipelined: each sends its request and awaits the response with its id, which a reader task
 dispatches, so many passes are in flight on one connection. The client belongs to the event loop it
@@ -13,7 +13,7 @@ import itertools
 import logging
 from typing import Any, Callable
 
-from .. import protocol
+from ..gpu.engine import wire
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class EngineClient:
         id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._pending[id] = future
-        self._writer.write(protocol.pack(protocol.request(id, op, **fields)))
+        self._writer.write(wire.pack(wire.request(id, op, **fields)))
         self.requests += 1
         return id, future
 
@@ -72,7 +72,7 @@ class EngineClient:
                 pass   # the reader task fails this call's future with the reason
         return await future
 
-    async def info(self) -> protocol.Info:
+    async def info(self) -> wire.Info:
         return await self.call("info")
 
     async def create(self) -> int:
@@ -86,14 +86,14 @@ class EngineClient:
     async def free(self, seq: int) -> None:
         await self.call("free", seq=seq)
 
-    async def state(self, seq: int) -> protocol.SeqState:
+    async def state(self, seq: int) -> wire.SeqState:
         return await self.call("seq_state", seq=seq)
 
     async def reserve(self, seq: int, end: int) -> None:
         """Pages for `seq`'s local slots [0, end), for passes with explicit slots."""
         await self.call("reserve", seq=seq, end=end)
 
-    async def forward(self, lanes: list[protocol.LaneSpec], epilogue: dict[str, Any] = protocol.ARGMAX) -> Any:
+    async def forward(self, lanes: list[wire.LaneSpec], epilogue: dict[str, Any] = wire.ARGMAX) -> Any:
         """Run one forward pass; returns its epilogue's output ("argmax": one token per readout row;
         "logits": a float32 memoryview of shape [readout rows, vocab])."""
         return await self.call("pass", lanes=lanes, epilogue=epilogue)
@@ -102,7 +102,7 @@ class EngineClient:
         """Register (and compile, once per engine) an eta program; returns its id here."""
         return await self.call("program", ir=ir)
 
-    async def stats(self) -> protocol.Stats:
+    async def stats(self) -> wire.Stats:
         return await self.call("stats")
 
     async def close(self) -> None:
@@ -124,7 +124,7 @@ class EngineClient:
     async def _read_loop(self) -> None:
         try:
             while True:
-                message = protocol.unpack(await protocol.read_frame(self._reader))
+                message = wire.unpack(await wire.read_frame(self._reader))
                 if "push" in message:
                     if self.on_push is not None:
                         try:

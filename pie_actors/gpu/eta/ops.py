@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from .. import cpu_kernels
+from ..kernels import cpu_kernels
 
 __all__ = ["EtaError", "OpSpec", "OPS", "DTYPES", "MODEL_OUTPUTS", "MAX_ELEMENTS", "is_ref",
            "mix32", "seed_key", "gumbel_noise", "MIX_MULTIPLIERS", "GOLDEN"]

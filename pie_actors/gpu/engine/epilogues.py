@@ -11,10 +11,10 @@ from typing import Any, Callable
 
 import torch
 
-from .. import protocol
+from . import wire
 from .channels import ChannelError, ChannelStore
-from .engine import Epilogue
-from .eta import EtaError, Program, argmax
+from .scheduler import Epilogue
+from ..eta import EtaError, Program, argmax
 
 __all__ = ["EpilogueError", "PassEnv", "program_epilogue", "prologue_runner", "adapter_fn", "simple_epilogue",
            "SIMPLE"]
@@ -29,7 +29,7 @@ def _argmax(logits: torch.Tensor) -> list[int]:
 
 def _logits(logits: torch.Tensor) -> Any:
     data = logits.float().cpu().numpy().astype("<f4", copy=False).tobytes()
-    return protocol.tensor("f", list(logits.shape), data)
+    return wire.tensor("f", list(logits.shape), data)
 
 
 SIMPLE: dict[str, Epilogue] = {"argmax": _argmax, "logits": _logits}

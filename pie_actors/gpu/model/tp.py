@@ -2,7 +2,7 @@
 
 Each layer owns its shard of the weight and a `weight_loader(param, full_tensor, shard_id=None)` that
 cuts the rank's slice out of a full checkpoint tensor, so loading is one loop over checkpoint names
-(see `load_weights` in models/llama.py). Column-parallel layers split output features; row-parallel
+(see `load_weights` in llama.py). Column-parallel layers split output features; row-parallel
 layers split input features and all-reduce their partial sums.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The Llama family in one file: Llama 2/3, SmolLM2, Mistral-style GQA, Qwen2 (QKV bias), Qwen3 (q/k norm).
 
 Inputs are flattened: a batch is T rows from any number of lanes, each row with its own position and KV
-slot (see attention.py). Linear layers are tensor-parallel (tp.py); with one rank they are plain matmuls.
+slot (see gpu/kernels/attention.py). Linear layers are tensor-parallel (tp.py); with one rank they are plain matmuls.
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from ..adapters import AdapterUse, adapt
-from ..attention import AttentionMetadata, paged_attention
-from ..tp import (ColumnParallelLinear, Comm, MergedColumnParallelLinear, ParallelLMHead,
+from .adapters import AdapterUse, adapt
+from ..kernels.attention import AttentionMetadata, paged_attention
+from .tp import (ColumnParallelLinear, Comm, MergedColumnParallelLinear, ParallelLMHead,
                   RowParallelLinear, VocabParallelEmbedding)
 from .config import ModelConfig
 

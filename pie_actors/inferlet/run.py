@@ -20,7 +20,7 @@ import threading
 from functools import lru_cache
 from typing import Any, Callable
 
-from .. import protocol
+from ..gpu.engine import wire
 from .engine_client import EngineClient, EngineError
 from .chat_ops import ChatOps
 from .host import HostApi, HostOpError, InferletError, Sandbox
@@ -39,7 +39,7 @@ CONNECT_TIMEOUT_S = 30.0
 
 @lru_cache(maxsize=8)
 def _tokenizer(model_dir: str):
-    from ..gpu.tokenizer import Tokenizer   # tokenizers + jinja2 only, no torch
+    from ..tokenizer import Tokenizer   # tokenizers + jinja2 only, no torch
 
     return Tokenizer.from_dir(model_dir)
 
@@ -63,7 +63,7 @@ class InferletHost(ChatOps, SessionOps, EtaOps, HostApi):
         self._closed = False
         try:
             self.client: EngineClient = self._wait(EngineClient.connect(*engine_address), CONNECT_TIMEOUT_S)
-            self.info: protocol.Info = self._wait(self.client.info(), CONNECT_TIMEOUT_S)
+            self.info: wire.Info = self._wait(self.client.info(), CONNECT_TIMEOUT_S)
         except BaseException:
             self._stop_loop()
             raise

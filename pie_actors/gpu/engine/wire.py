@@ -62,7 +62,7 @@ LOGITS = {"kind": "logits"}
 
 
 class LaneSpec(TypedDict, total=False):
-    """One sequence's rows in a pass; the fields of `pie_actors.gpu.engine.Lane` (seq, tokens required)."""
+    """One sequence's rows in a pass; the fields of `pie_actors.gpu.engine.scheduler.Lane` (seq, tokens required)."""
 
     seq: int
     tokens: list[int]

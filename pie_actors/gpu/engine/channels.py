@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from .eta import DTYPES
+from ..eta import DTYPES
 
 __all__ = ["ChannelError", "ChannelStore", "MAX_CAPACITY", "MAX_ELEMENTS"]
 

@@ -18,8 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from .models.config import ModelConfig, UnsupportedModel
-from .tokenizer import tokenizer_from_gguf
+from .config import ModelConfig, UnsupportedModel
+from ...tokenizer import tokenizer_from_gguf
 
 
 class ModelLoadError(ValueError):

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_kernels, hugepages
-from .adapters import AdapterUse
-from .attention import AttentionMetadata, LanePlan
-from .compiled_decode import CompiledDecode
-from .loader import load_checkpoint
-from .models import ModelConfig, build_model
-from .tp import Comm, TorchDistComm
+from ..kernels import cpu_kernels, hugepages
+from ..model.adapters import AdapterUse
+from ..kernels.attention import AttentionMetadata, LanePlan
+from ..kernels.compiled_decode import CompiledDecode
+from ..model.loader import load_checkpoint
+from ..model import ModelConfig, build_model
+from ..model.tp import Comm, TorchDistComm
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The engine's data-plane server: the wire protocol (`pie_actors.protocol`) over TCP, served by asyncio.
+"""The engine's data-plane server: the wire protocol (`pie_actors.gpu.engine.wire`) over TCP, served by asyncio.
 
 Per-pass traffic must not be a Ray method call (~0.8 ms each here; a socket round trip is ~50 µs), so
 inferlets reach the engine through this server. Each pass request goes to `Engine.submit`, and its
@@ -12,21 +12,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
-from .. import protocol
-from ..config import load_config
-from ..kvstore import KVStoreError, UnknownSequence
-from .adapters import parse_site
+from . import wire
+from ...config import load_config
+from ...kvstore import KVStoreError, UnknownSequence
+from ..model.adapters import parse_site
 from .channels import ChannelError
-from .engine import Engine, Lane, PassError, PassRequest, Repeat
+from .engine import Engine
+from .scheduler import Lane, PassError, PassRequest, Repeat
 from .epilogues import SIMPLE, EpilogueError, adapter_fn, program_epilogue, prologue_runner, simple_epilogue
-from .eta import EtaError, Program
+from ..eta import EtaError, Program
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class EngineServer:
     def __init__(self, engine: Engine, model_name: str = "", model_dir: str | Path = ""):
         self.engine = engine
         cfg = engine.cfg
-        self.info: protocol.Info = {
+        self.info: wire.Info = {
             "model": model_name, "model_dir": str(model_dir), "architecture": cfg.architecture,
             "vocab_size": cfg.vocab_size, "page_size": engine.kv.page_size,
             "max_position": cfg.max_position_embeddings,
@@ -130,7 +130,7 @@ class EngineServer:
         self._thread.join()
         self._thread = None
 
-    def stats(self) -> protocol.Stats:
+    def stats(self) -> wire.Stats:
         kv = self.engine.kv_stats()
         # dict() of a Counter copies in C under the GIL: safe while the engine thread increments it
         programs = self.engine.programs
@@ -164,11 +164,11 @@ class EngineServer:
         try:
             while True:
                 try:
-                    body = await protocol.read_frame(reader)
+                    body = await wire.read_frame(reader)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
-                except protocol.FrameTooLarge as e:
-                    conn.send(protocol.error(None, "BadFrame", str(e)))
+                except wire.FrameTooLarge as e:
+                    conn.send(wire.error(None, "BadFrame", str(e)))
                     return
                 conn.handle(body)
                 if writer.transport.get_write_buffer_size() > _HIGH_WATER:
@@ -201,27 +201,27 @@ class _Connection:
 
     def send(self, message: dict[str, Any]) -> None:
         if not self.writer.is_closing():
-            self.writer.write(protocol.pack(message))
+            self.writer.write(wire.pack(message))
 
     def handle(self, body: bytes) -> None:
         try:
-            msg = protocol.unpack(body)
+            msg = wire.unpack(body)
         except Exception as e:    # msgpack raises several unrelated types for bad input
-            self.send(protocol.error(None, "BadFrame", f"frame is not a msgpack message: {e}"))
+            self.send(wire.error(None, "BadFrame", f"frame is not a msgpack message: {e}"))
             return
         id = msg.get("id") if isinstance(msg, dict) else None
         if type(id) is not int:
-            self.send(protocol.error(None, "BadRequest", "a request is a map with an integer 'id' and an 'op'"))
+            self.send(wire.error(None, "BadRequest", "a request is a map with an integer 'id' and an 'op'"))
             return
         try:
             result = self._dispatch(msg)
         except Exception as e:
             if not isinstance(e, _KNOWN_ERRORS):
                 log.exception("request %r failed", msg.get("op"))
-            self.send(protocol.error(id, type(e).__name__, str(e)))
+            self.send(wire.error(id, type(e).__name__, str(e)))
             return
         if result is not _PENDING:
-            self.send(protocol.reply(id, result))
+            self.send(wire.reply(id, result))
 
     def _dispatch(self, msg: dict[str, Any]) -> Any:
         op = msg.get("op")
@@ -242,10 +242,10 @@ class _Connection:
         return seq
 
     # ---- ops -------------------------------------------------------------------------------------------
-    def _op_info(self, msg: dict[str, Any]) -> protocol.Info:
+    def _op_info(self, msg: dict[str, Any]) -> wire.Info:
         return self.server.info
 
-    def _op_stats(self, msg: dict[str, Any]) -> protocol.Stats:
+    def _op_stats(self, msg: dict[str, Any]) -> wire.Stats:
         return self.server.stats()
 
     def _op_create(self, msg: dict[str, Any]) -> int:
@@ -263,7 +263,7 @@ class _Connection:
         self.owned.discard(seq)
         self.engine.free(seq)
 
-    def _op_seq_state(self, msg: dict[str, Any]) -> protocol.SeqState:
+    def _op_seq_state(self, msg: dict[str, Any]) -> wire.SeqState:
         return self.engine.seq_state(self._own(msg["seq"]))
 
     def _op_reserve(self, msg: dict[str, Any]) -> None:
@@ -411,12 +411,12 @@ class _Connection:
         self.repeats.pop(id, None)
         e = future.exception()
         if e is not None:
-            self.send(protocol.error(id, type(e).__name__, str(e)))
+            self.send(wire.error(id, type(e).__name__, str(e)))
             return
         try:
-            frame = protocol.pack(protocol.reply(id, future.result()))
+            frame = wire.pack(wire.reply(id, future.result()))
         except (TypeError, ValueError) as e:
-            frame = protocol.pack(protocol.error(id, "EpilogueError", f"epilogue result cannot be sent: {e}"))
+            frame = wire.pack(wire.error(id, "EpilogueError", f"epilogue result cannot be sent: {e}"))
         if not self.writer.is_closing():
             self.writer.write(frame)
 
@@ -436,18 +436,12 @@ class _Connection:
         self.owned.clear()
 
 
-# ---- Ray ------------------------------------------------------------------------------------------------
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def serve_model(model: str = "", host: str = "127.0.0.1", port: int = 0,
                 **engine_kwargs: Any) -> tuple[EngineServer, tuple[str, int]]:
     """Build the engine for `model` (a store name or folder; default: the configured model), start
     its batching loop and serve it. Returns the server and its address; stop with
     `server.close(); server.engine.close()`."""
-    from ..model_store import resolve_model
+    from ...model_store import resolve_model
 
     model = model or load_config()["model"]
     model_dir = resolve_model(model)
@@ -455,43 +449,3 @@ def serve_model(model: str = "", host: str = "127.0.0.1", port: int = 0,
     name = model_dir.name if Path(model).expanduser().exists() else model
     server = EngineServer(engine, name, model_dir)
     return server, server.start(host, port)
-
-
-class EngineActor:
-    """An engine and its server inside a Ray actor; decorate at use: `ray.remote(num_cpus=0)(EngineActor)`.
-
-    Ray calls only start it and ask for its address and stats; passes go over the socket.
-    `host` is the interface to listen on; "0.0.0.0" advertises the node's IP address.
-    """
-
-    def __init__(self, model: str = "", host: str = "0.0.0.0", port: int = 0, **engine_kwargs: Any):
-        # Ray sets OMP_NUM_THREADS=1 in actors; the engine should use the node's cores.
-        engine_kwargs.setdefault("num_threads", _cores())
-        self.server, (self.host, self.port) = serve_model(model, host, port, **engine_kwargs)
-        self.engine = self.server.engine
-        if self.host in ("0.0.0.0", "::", ""):
-            import ray
-            self.host = ray.util.get_node_ip_address()
-
-    def address(self) -> tuple[str, int]:
-        return self.host, self.port
-
-    def stats(self) -> protocol.Stats:
-        return self.server.stats()
-
-    def close(self) -> None:
-        self.server.close()
-        self.engine.close()
-
-
-def start_engine_actor(model: str = "", *, name: str | None = None, detached: bool = False,
-                       host: str = "0.0.0.0", port: int = 0, **engine_kwargs: Any) -> tuple[Any, tuple[str, int]]:
-    """Start an `EngineActor` (named `name` when given; outliving its driver when `detached`) and
-    wait until it serves. Returns (actor handle, (host, port))."""
-    import ray
-
-    options: dict[str, Any] = {"num_cpus": 0, "name": name}
-    if detached:
-        options["lifetime"] = "detached"
-    actor = ray.remote(EngineActor).options(**options).remote(model, host, port, **engine_kwargs)
-    return actor, tuple(ray.get(actor.address.remote()))

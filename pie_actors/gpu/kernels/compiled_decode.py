@@ -13,9 +13,9 @@ import types
 
 import torch
 
-from . import gemm_prefetch, hugepages
+from . import amx_gemm_edits, hugepages
 from .attention import AttentionMetadata, LanePlan
-from .models import LlamaModel
+from ..model import LlamaModel
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Up to this batch, decode attention is broadcast multiply-sums, which inductor fuses with the RoPE,
@@ -56,8 +56,8 @@ class CompiledDecode:
             # keeps the faster, at ~20 s more per bucket's compile (bench/RESULTS.md, "compiled
             # decode forms").
             options |= {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
-        if self.device.type == "cpu" and gemm_prefetch.applies():
-            options |= {"post_grad_custom_post_pass": gemm_prefetch.CacheKey()}   # see `run`
+        if self.device.type == "cpu" and amx_gemm_edits.applies():
+            options |= {"post_grad_custom_post_pass": amx_gemm_edits.CacheKey()}   # see `run`
         if self.device.type == "cpu" and cpp_wrapper:
             # The graph's ~400 kernel calls from generated C++ instead of Python: 1.03-1.09x a step
             # here, ~10 s more compile per bucket (bench/RESULTS.md, "compiled decode forms").
@@ -96,9 +96,9 @@ class CompiledDecode:
         ids = torch.tensor(input_ids + [0] * len(padding), device=self.device)
         pos = torch.tensor(positions + [0] * len(padding), device=self.device)
         # freezing turns the weights into constants, so the GEMMs get them prepacked (faster on the
-        # CPU), and the AMX GEMMs prefetch their weights (gemm_prefetch.py); both are read when a
+        # CPU), and the AMX GEMMs prefetch their weights (amx_gemm_edits.py); both are read when a
         # bucket compiles, which happens inside this call.
-        prefetch = gemm_prefetch.patched() if self.device.type == "cpu" else contextlib.nullcontext()
+        prefetch = amx_gemm_edits.patched() if self.device.type == "cpu" else contextlib.nullcontext()
         with torch._inductor.config.patch(freezing=True), prefetch:
             logits = self._fn(ids, pos, meta)[:n]
         if batch not in self.batch_sizes and self.device.type == "cpu":

@@ -1,0 +1,271 @@
+"""The engine: accepts forward-pass requests from many clients and runs them in shared batches.
+
+`submit` queues a pass; each `step` asks the scheduler (scheduler.py) for a batch of pending passes,
+runs it on the workers (worker.py: this process's rank, plus the other tensor-parallel ranks by
+broadcast), commits the written KV and runs each pass's epilogue on its rows of logits. A bad pass
+fails alone: the scheduler rejects it while planning, and a failing epilogue rolls its pass back.
+`start` runs steps on a background thread; `generate` is greedy decoding for benchmarks and tests.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+from collections import Counter
+from concurrent.futures import Future
+from typing import Callable
+
+import torch
+
+from ...config import load_config, pick_device, pick_dtype
+from ...kvstore import KVStore
+from ...model_store import resolve_model
+from ...tokenizer import Tokenizer
+from ..eta import ProgramCache, argmax
+from ..model.loader import load_checkpoint
+from ..model.tp import Comm, TorchDistComm
+from .channels import ChannelStore
+from .scheduler import Epilogue, Lane, PassRequest, Planned, Scheduler
+from .worker import BatchPlan, Worker, kv_bytes_per_page, start_remote_ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _check_tp(cfg, tp: int) -> None:
+    """Fail before any rank starts: a shape that does not split would fail on every rank at once."""
+    for what, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
+                    ("intermediate size", cfg.intermediate_size), ("vocabulary size", cfg.vocab_size)):
+        if n % tp:
+            raise ValueError(f"tensor-parallel size {tp} does not divide the model's {what} ({n})")
+
+
+class Engine:
+    def __init__(self, worker: Worker, kv: KVStore, tokenizer: Tokenizer | None = None,
+                 max_batch_tokens: int = 4096, remote: list | None = None):
+        self.worker, self.kv, self.tokenizer = worker, kv, tokenizer
+        self.cfg = worker.cfg
+        self.max_batch_tokens = max_batch_tokens
+        self.batch_sizes: Counter[int] = Counter()   # lanes per executed batch
+        self._remote = remote
+        self.channels = ChannelStore(worker.device)
+        self.programs = ProgramCache()               # compiled eta programs, by IR hash
+        self.scheduler = Scheduler(kv, self.channels, self.cfg, max_batch_tokens, tensor_parallel=bool(remote))
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    @classmethod
+    def from_model(cls, model: str = "", *, device: str | None = None, dtype: str | None = None,
+                   page_size: int | None = None, kv_memory_mb: int | None = None, num_pages: int | None = None,
+                   max_batch_tokens: int | None = None, tp: int | None = None,
+                   num_threads: int | None = None, compile: bool | None = None) -> "Engine":
+        """Build an engine from a model store name or folder; unset options come from the config file.
+
+        The KV pool is `num_pages` pages, or as many as fit in `kv_memory_mb` per rank.
+        """
+        conf = load_config()
+        model_dir = resolve_model(model or conf["model"])
+        dev = pick_device(device or conf["device"])
+        dt = pick_dtype(dtype or conf["dtype"], dev)
+        page_size = page_size or conf["page_size"]
+        tp = tp or conf["tp"]
+        # A folder without a tokenizer still serves passes of token ids.
+        tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+        cfg = load_checkpoint(model_dir).config
+        if num_pages is None:
+            budget = (kv_memory_mb or conf["kv_memory_mb"]) * 2**20
+            num_pages = max(1, budget // kv_bytes_per_page(cfg, page_size, dt, tp))
+        comm, remote = Comm(), None
+        if tp > 1:
+            _check_tp(cfg, tp)
+            import ray
+            if not ray.is_initialized():
+                ray.init()                # joins the running cluster if there is one
+            init = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
+            remote = start_remote_ranks(str(model_dir), dev, dt, num_pages, page_size, tp, init, num_threads)
+            comm = TorchDistComm(0, tp, init, dev)
+        # Compiled decode graphs would need traceable collectives; tensor-parallel ranks run eager.
+        compile = (conf["compile"] if compile is None else compile) and tp == 1
+        worker = Worker(model_dir, device=dev, dtype=dt, num_pages=num_pages, page_size=page_size,
+                        comm=comm, num_threads=num_threads, compile=compile)
+        return cls(worker, KVStore(num_pages, page_size), tokenizer,
+                   max_batch_tokens or conf["max_batch_tokens"], remote)
+
+    # ---- sequences ---------------------------------------------------------------------------
+    def create_sequence(self) -> int:
+        with self._lock:
+            return self.kv.create()
+
+    def fork(self, seq: int) -> int:
+        """A child sharing `seq`'s frozen prefix; a partial tail page is copied before the next batch."""
+        with self._lock:
+            child, copies = self.kv.fork(seq)
+            self.scheduler.copies.extend(copies)
+            return child
+
+    def free(self, seq: int) -> None:
+        with self._lock:
+            self.kv.free(seq)
+
+    def reserve(self, seq: int, end: int) -> None:
+        """Pages for local slots [0, end), for passes with explicit geometry."""
+        with self._lock:
+            self.kv.reserve(seq, end)
+
+    def seq_state(self, seq: int) -> dict[str, int]:
+        with self._lock:
+            kv = self.kv
+            return {"length": kv.length(seq), "folded": kv.folded(seq), "cached_tokens": kv.cached_tokens(seq)}
+
+    def kv_stats(self) -> dict[str, int]:
+        with self._lock:
+            return self.kv.stats()
+
+    # ---- passes ------------------------------------------------------------------------------
+    def submit(self, request: PassRequest) -> Future:
+        with self._lock:
+            self.scheduler.add(request)
+            self._lock.notify()
+        return request.future
+
+    def step(self) -> int:
+        """Run one batch of pending passes. Returns how many passes it completed or rejected."""
+        with self._lock:
+            planned, plan, handled = self.scheduler.schedule()
+        if planned:
+            self._execute(planned, plan)
+        elif plan.copies:
+            self._broadcast_and_run(plan)
+        return handled
+
+    def run_until_idle(self) -> None:
+        while self.step():
+            pass
+
+    def _broadcast_and_run(self, plan: BatchPlan) -> torch.Tensor:
+        if self._remote:
+            self.worker.comm.broadcast_object(plan)
+        return self.worker.execute(plan)
+
+    def _execute(self, planned: list[Planned], plan: BatchPlan) -> None:
+        try:
+            logits = self._broadcast_and_run(plan)
+        except Exception as e:            # a worker failure fails the whole batch, nothing else
+            with self._lock:
+                for p in planned:
+                    self.scheduler.rollback(p.undo)
+                    self.scheduler.fail(p.request, e)
+            return
+        self.batch_sizes[len(plan.lanes)] += 1
+        for p in planned:
+            req = p.request
+            try:                          # the epilogue first: if it fails, the pass never happened
+                rows = logits[p.rows]
+                result = req.epilogue(rows) if req.epilogue else rows.cpu()
+                with self._lock:
+                    self.scheduler.commit(p)
+            except Exception as e:        # a failing epilogue, or a sequence freed mid-batch
+                with self._lock:
+                    self.scheduler.rollback(p.undo)
+                    self.scheduler.fail(req, e)
+                continue
+            if req.repeat is None:
+                req.future.set_result(result)
+            else:
+                with self._lock:
+                    self.scheduler.repeat_ran(req)
+
+    # ---- repeating passes (run-ahead) --------------------------------------------------------
+    def ack(self, req: PassRequest, read: int) -> None:
+        """The client has read the outputs of `read` runs of a repeating pass (`Scheduler.ack`)."""
+        with self._lock:
+            if self.scheduler.ack(req, read):
+                self._lock.notify()
+
+    def stop(self, req: PassRequest, keep: int | None = None) -> None:
+        """Stop a repeating pass, keeping its first `keep` runs (`Scheduler.stop`)."""
+        with self._lock:
+            self.scheduler.stop(req, keep)
+
+    # ---- background loop ---------------------------------------------------------------------
+    def start(self) -> "Engine":
+        """Serve submitted passes from a background thread until `close`."""
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self.scheduler.has_work() and not self._stopping:
+                    self._lock.wait()
+                if self._stopping:
+                    return
+            self.step()
+
+    def close(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        if self._thread:
+            self._thread.join()
+        if self._remote:
+            import ray
+            self.worker.comm.broadcast_object(None)
+            pg, actors, refs = self._remote
+            ray.get(refs, timeout=60)
+            self.worker.comm.close()
+            for a in actors:
+                ray.kill(a)
+            ray.util.remove_placement_group(pg)
+            self._remote = None
+
+    # ---- convenience -------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, ignore_eos: bool = False,
+                 stop: set[int] | None = None,
+                 on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
+        """Greedy decoding of several prompts batched together; returns the new tokens of each.
+
+        `on_token(prompt_index, token)` is called as each token arrives (streaming)."""
+        stop = set() if ignore_eos else set(stop if stop is not None else self.cfg.eos_token_ids)
+        seqs = [self.create_sequence() for _ in prompts]
+        outputs: list[list[int]] = [[] for _ in prompts]
+        inputs = [list(p) for p in prompts]
+        live = list(range(len(prompts)))
+        greedy: Epilogue = lambda logits: argmax(logits).tolist()   # one token per lane
+        try:
+            for _ in range(max_new_tokens):
+                groups = self._pass_groups(live, inputs)
+                futures = [self.submit(PassRequest([Lane(seqs[i], inputs[i]) for i in g], greedy)) for g in groups]
+                if self._thread is None:
+                    self.run_until_idle()
+                tokens = [t for f in futures for t in f.result()]
+                for i, token in zip([i for g in groups for i in g], tokens):
+                    outputs[i].append(token)
+                    if on_token:
+                        on_token(i, token)
+                    inputs[i] = [token]
+                    if token in stop:
+                        live.remove(i)
+                if not live:
+                    break
+        finally:
+            for s in seqs:
+                self.free(s)
+        return outputs
+
+    def _pass_groups(self, live: list[int], inputs: list[list[int]]) -> list[list[int]]:
+        """`live` split into passes of many lanes (one epilogue call for them all, not one per lane),
+        each within the batch token budget, so that long prompts still prefill over several batches."""
+        groups: list[list[int]] = []
+        used = self.max_batch_tokens
+        for i in live:
+            if used + len(inputs[i]) > self.max_batch_tokens:
+                groups.append([])
+                used = 0
+            groups[-1].append(i)
+            used += len(inputs[i])
+        return groups

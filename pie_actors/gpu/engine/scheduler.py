@@ -1,0 +1,298 @@
+"""The scheduler: which pending passes run together, and where their rows go in the KV store.
+
+Continuous batching: each batch takes whatever passes are pending, FIFO, up to a token budget, with
+one lane per sequence per batch so that a pipeline's passes stay in order. Planning a pass writes
+its rows into the page tables (`KVStore.append` / `slots_for`), so a pass that cannot run (a bad
+token id, no pages left, a position past the context) is rejected here and rolled back, alone.
+Repeating passes (run-ahead decoding) go back into the queue after each run until their client's
+acknowledged reads hold them back, or they are stopped.
+
+The Engine owns the lock: every method here is called with the engine's lock held.
+"""
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import torch
+
+from ...kvstore import KVStore, KVStoreError, Mark
+from ..eta import EtaError
+from ..kernels.attention import LanePlan
+from ..model.adapters import AdapterFn, AdapterUse
+from ..model.config import ModelConfig
+from .channels import ChannelError, ChannelStore
+from .worker import BatchPlan
+
+Epilogue = Callable[[torch.Tensor], Any]
+
+
+class PassError(ValueError):
+    """A forward pass was rejected; the message names the lane and the problem."""
+
+
+PASS_ERRORS = (PassError, KVStoreError, ChannelError, EtaError)   # a bad pass: fails alone
+
+
+@dataclass
+class Lane:
+    """One sequence's rows in a pass.
+
+    Default geometry (`slots` None) appends `tokens` at the end of the sequence at positions
+    length.., attends causally over the whole sequence, and freezes the rows (`fold=True`).
+    Explicit geometry writes rows at local `slots` with `positions`, attends over slots [0, kv_len)
+    (causally by slot, or by `mask`), and freezes up to `fold` when it is an int.
+    """
+
+    seq: int
+    tokens: list[int]
+    positions: list[int] | None = None
+    slots: list[int] | None = None
+    kv_len: int | None = None
+    mask: list[list[bool]] | None = None
+    fold: bool | int = True
+    readout: list[int] | None = None      # rows of this lane whose logits reach the epilogue; default: last
+    tokens_from: int | None = None        # a channel: `tokens` are taken from it when the pass is planned
+
+
+@dataclass
+class Repeat:
+    """A pass that runs again and again (run-ahead decoding): up to `budget` times, at most `window`
+    runs ahead of what its client acknowledged reading (`Engine.ack`), until `Engine.stop`.
+    Its future resolves with the number of runs kept when it ends."""
+
+    budget: int
+    window: int
+    runs: int = 0
+    acked: int = 0
+    stopped: bool = False
+    keep: int | None = None               # runs to keep when stopped (later ones are cut off)
+    parked: bool = False                  # waiting for an ack (not in the pending queue)
+    # Before each run not yet acknowledged (run `first + i` at index i), to cut back to on stop:
+    lengths: list[dict[int, int]] = field(default_factory=list)   # seq -> length
+    channels: list[dict] = field(default_factory=list)            # device channels' values
+    first: int = 0
+
+
+@dataclass
+class PassRequest:
+    lanes: list[Lane]
+    epilogue: Epilogue | None = None      # logits [rows read out, vocab] -> result; default returns logits on CPU
+    future: Future = field(default_factory=Future)
+    prologue: Callable[[], None] | None = None   # runs when the pass is planned, before its inputs are taken
+    channels: list[int] = field(default_factory=list)   # channels it uses: poisoned if it fails
+    repeat: Repeat | None = None
+    adapters: list[tuple[str, int | None, AdapterFn]] = field(default_factory=list)   # (site, layer, f)
+
+
+@dataclass
+class Planned:
+    """A pass placed in a batch: what to commit once the batch ran, what to undo if it failed."""
+
+    request: PassRequest
+    rows: slice                           # its readout rows in the batch's logits
+    commits: list[tuple[int, int | None]] # (seq, fold_to) to commit after the batch ran
+    undo: list[Mark]                      # sequence extents to roll back to if the batch fails
+
+
+class Scheduler:
+    def __init__(self, kv: KVStore, channels: ChannelStore, cfg: ModelConfig, max_batch_tokens: int,
+                 tensor_parallel: bool = False):
+        self.kv, self.channels, self.cfg = kv, channels, cfg
+        self.max_batch_tokens = max_batch_tokens
+        self.tensor_parallel = tensor_parallel
+        self.pending: deque[PassRequest] = deque()
+        self.copies: list[tuple[int, int]] = []      # (src, dst) pages to copy before the next batch
+
+    def has_work(self) -> bool:
+        return bool(self.pending or self.copies)
+
+    def add(self, request: PassRequest) -> None:
+        self.pending.append(request)
+
+    def schedule(self) -> tuple[list[Planned], BatchPlan, int]:
+        """The next batch: its planned passes, the plan the workers run, and how many passes were
+        handled (planned or rejected)."""
+        plan = BatchPlan([], [], [], [], [], self.copies)
+        self.copies = []
+        planned: list[Planned] = []
+        busy: set[int] = set()
+        handled, waiting = 0, deque()
+        while self.pending:
+            req = self.pending.popleft()
+            seqs = [lane.seq for lane in req.lanes]
+            n_tokens = sum(len(lane.tokens) for lane in req.lanes)
+            # A pass with adapters runs in a batch of its own: its adapter code runs inside the
+            # model, where a failure fails the whole batch.
+            full = len(plan.input_ids) + n_tokens > self.max_batch_tokens
+            alone = bool(req.adapters or plan.adapters)
+            if busy.intersection(seqs) or (planned and (alone or full)):
+                waiting.append(req)        # next batch: keeps each sequence's passes in order
+                busy.update(seqs)
+                continue
+            handled += 1
+            try:
+                planned.append(self._plan_pass(req, plan))
+                busy.update(seqs)
+            except PASS_ERRORS as e:
+                self.fail(req, e)
+        self.pending = waiting
+        return planned, plan, handled
+
+    def fail(self, req: PassRequest, error: Exception) -> None:
+        """The pass failed: its channels are poisoned, so whoever waits on them hears of it."""
+        self.channels.poison(req.channels, f"{type(error).__name__}: {error}")
+        if not req.future.done():
+            req.future.set_exception(error)
+
+    def rollback(self, undo: list[Mark]) -> None:
+        for mark in reversed(undo):
+            try:
+                self.kv.rollback(mark)
+            except KVStoreError:
+                pass                      # the sequence was freed meanwhile: nothing left to undo
+
+    def commit(self, planned: Planned) -> None:
+        for seq, fold in planned.commits:
+            self.kv.commit(seq, fold)
+
+    # ---- planning one pass -------------------------------------------------------------------
+    def _plan_pass(self, req: PassRequest, plan: BatchPlan) -> Planned:
+        if not req.lanes:
+            raise PassError("a forward pass needs at least one lane")
+        if len({lane.seq for lane in req.lanes}) != len(req.lanes):
+            raise PassError("two lanes of one pass update the same sequence")
+        if req.repeat is not None:
+            req.repeat.lengths.append({lane.seq: self.kv.length(lane.seq) for lane in req.lanes})
+            req.repeat.channels.append(self.channels.snapshot(req.channels))
+        if req.prologue is not None:
+            req.prologue()
+        lanes = [self._take_tokens(lane) for lane in req.lanes]
+        for i, lane in enumerate(lanes):
+            self._validate(i, lane)
+        if req.adapters and self.tensor_parallel:
+            raise PassError("adapters need tensor-parallel size 1")
+        undo: list[Mark] = []
+        mark = (len(plan.input_ids), len(plan.lanes), len(plan.readout))
+        try:
+            # adapted KV is not the model's: never shared through the prefix index
+            commits = [self._plan_lane(lane, plan, undo, shareable=not req.adapters) for lane in lanes]
+        except (PassError, KVStoreError):
+            self.rollback(undo)
+            del plan.input_ids[mark[0]:], plan.positions[mark[0]:], plan.write_slots[mark[0]:]
+            del plan.lanes[mark[1]:], plan.readout[mark[2]:]
+            raise
+        plan.adapters += [AdapterUse(site, layer, mark[0], len(plan.input_ids), fn)
+                          for site, layer, fn in req.adapters]
+        return Planned(req, slice(mark[2], len(plan.readout)), commits, undo)
+
+    def _take_tokens(self, lane: Lane) -> Lane:
+        """The lane with its input tokens taken from its channel, when it has one."""
+        if lane.tokens_from is None:
+            return lane
+        value = self.channels.take(lane.tokens_from)
+        if value.dtype.is_floating_point or value.dtype == torch.bool:
+            raise PassError(f"input channel {lane.tokens_from} holds {value.dtype} values, not token ids")
+        return replace(lane, tokens=value.flatten().tolist(), tokens_from=None)
+
+    def _validate(self, i: int, lane: Lane) -> None:
+        n, vocab = len(lane.tokens), self.cfg.vocab_size
+        if n == 0:
+            raise PassError(f"lane {i}: no input tokens")
+        bad = [t for t in lane.tokens if not 0 <= t < vocab]
+        if bad:
+            raise PassError(f"lane {i}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        for name in ("positions", "slots"):
+            values = getattr(lane, name)
+            if values is not None and len(values) != n:
+                raise PassError(f"lane {i}: {len(values)} {name} for {n} tokens")
+        max_pos = self.cfg.max_position_embeddings
+        end = self.kv.length(lane.seq) + n if lane.positions is None else max(lane.positions) + 1
+        if end > max_pos or (lane.positions and min(lane.positions) < 0):
+            raise PassError(f"lane {i}: position {end - 1} is beyond the model's context of {max_pos} tokens")
+        if lane.readout is not None and not all(0 <= r < n for r in lane.readout):
+            raise PassError(f"lane {i}: readout rows {lane.readout} outside the lane's {n} rows")
+
+    def _plan_lane(self, lane: Lane, plan: BatchPlan, undo: list[Mark], shareable: bool = True
+                   ) -> tuple[int, int | None]:
+        kv, seq, n = self.kv, lane.seq, len(lane.tokens)
+        canonical = shareable and lane.positions is None and lane.mask is None
+        undo.append(kv.mark(seq))
+        if lane.slots is None:
+            appended = kv.append(seq, lane.tokens, canonical=canonical,
+                                 reuse_prefix=canonical and lane.readout is None)
+            skip, write, q_slots = appended.reused, appended.slots, None
+            positions = (list(range(appended.start, appended.start + n - skip)) if lane.positions is None
+                         else lane.positions[skip:])
+        else:
+            skip, q_slots = 0, lane.slots
+            write = kv.slots_for(seq, lane.slots, lane.tokens, canonical=False)
+            positions = lane.positions if lane.positions is not None else lane.slots
+        kv_len = kv.length(seq) if lane.kv_len is None else lane.kv_len
+        if not 0 < kv_len <= kv.length(seq) or (q_slots and max(q_slots) >= kv_len):
+            raise PassError(f"sequence {seq}: kv_len {kv_len} must cover the rows written "
+                            f"and stay within the sequence's {kv.length(seq)} slots")
+        if lane.mask is not None and (len(lane.mask) != n or any(len(r) != kv_len for r in lane.mask)):
+            raise PassError(f"sequence {seq}: mask must be {n} rows x {kv_len} slots")
+        start = len(plan.input_ids)
+        plan.input_ids += lane.tokens[skip:]
+        plan.positions += positions
+        plan.write_slots += write
+        plan.lanes.append(LanePlan(start, n - skip, kv.kv_pages(seq, kv_len), kv_len, q_slots, lane.mask))
+        plan.readout += [start + r - skip for r in (lane.readout or [n - 1])]
+        fold = kv.length(seq) if lane.fold is True else (None if lane.fold is False else lane.fold)
+        return seq, fold
+
+    # ---- repeating passes (run-ahead) --------------------------------------------------------
+    def repeat_ran(self, req: PassRequest) -> None:
+        """A run of a repeating pass finished: queue the next one, park it until an ack, or end it."""
+        r = req.repeat
+        r.runs += 1
+        if r.stopped or r.runs >= r.budget:
+            self._end_repeat(req)
+        elif r.runs - r.acked < r.window:
+            self.pending.append(req)
+        else:
+            r.parked = True
+
+    def ack(self, req: PassRequest, read: int) -> bool:
+        """The client has read the outputs of `read` runs: the pass may run `window` beyond that.
+        True when the pass went back into the queue."""
+        r = req.repeat
+        r.acked = max(r.acked, min(read, r.runs))
+        # runs the client has read are never cut: forget their before-states
+        del r.lengths[:r.acked - r.first], r.channels[:r.acked - r.first]
+        r.first = r.acked
+        if r.parked and r.runs - r.acked < r.window:
+            r.parked = False
+            self.pending.append(req)
+            return True
+        return False
+
+    def stop(self, req: PassRequest, keep: int | None = None) -> None:
+        """Stop repeating; with `keep`, the runs after the first `keep` are cut off the sequences
+        (their tokens were produced but never read)."""
+        r = req.repeat
+        if r.stopped or req.future.done():
+            return
+        r.stopped, r.keep = True, keep
+        if r.parked or req in self.pending:
+            if req in self.pending:
+                self.pending.remove(req)
+            self._end_repeat(req)
+        # else it is running: repeat_ran ends it
+
+    def _end_repeat(self, req: PassRequest) -> None:
+        r = req.repeat
+        kept = r.runs if r.keep is None else min(max(r.keep, r.first), r.runs)
+        if kept < r.runs:                 # as if the runs after `kept` had never happened
+            try:
+                for seq, length in r.lengths[kept - r.first].items():
+                    self.copies.extend(self.kv.cut(seq, length))
+            except KVStoreError as e:     # the sequence was freed meanwhile
+                req.future.set_exception(e)
+                return
+            self.channels.restore(r.channels[kept - r.first])
+        req.future.set_result(kept)
