@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", help="append the table, command line and date to this markdown file")
-    ap.add_argument("--title", default="Quickstart through pie run vs the engine directly (issue 3)")
+    ap.add_argument("--title", default="Quickstart inferlet vs engine.generate")
     args = ap.parse_args()
 
     load_before = os.getloadavg()[0]

@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--branch-tokens", type=int, default=16, help="tokens each branch of (b) decodes")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", help="append the tables, command line and date to this markdown file")
-    ap.add_argument("--title", default="run_ahead vs per-token submit; ten-branch fork vs ten requests (issue 4)")
+    ap.add_argument("--title", default="run_ahead vs one pass per token; ten forks vs ten requests")
     args = ap.parse_args()
 
     load_before = os.getloadavg()[0]

@@ -238,7 +238,7 @@ def main() -> None:
                     help="tables to run: host (engine loop), guest (matcher host operations), device (mask "
                          "through a channel, applied in the epilogue)")
     ap.add_argument("--out", help="append the tables, command line and date to this markdown file")
-    ap.add_argument("--title", default="Grammar-constrained decoding vs unconstrained (issue 5)")
+    ap.add_argument("--title", default="Grammar-constrained decoding vs unconstrained")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
 

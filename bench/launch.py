@@ -30,7 +30,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--launches", type=int, default=8)
     ap.add_argument("--out", help="append the table, command line and date to this markdown file")
-    ap.add_argument("--title", default="Inferlet launch latency: warm pool vs new actor (issue 3)")
+    ap.add_argument("--title", default="Inferlet launch: warm pool vs new actor")
     args = ap.parse_args()
     load_before = os.getloadavg()[0]
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)

@@ -159,7 +159,7 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=128, help="one-token passes per client per run")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", help="append the table, command line and date to this markdown file")
-    ap.add_argument("--title", default="Data plane overhead (issue 3)", help="heading of the section --out appends")
+    ap.add_argument("--title", default="Data plane overhead", help="heading of the section --out appends")
     args = ap.parse_args()
     model_dir = str(resolve_model("dummy"))
 
