@@ -1,9 +1,9 @@
-"""What inductor's AMX micro-GEMM edits (pie_actors/gpu/kernels/amx_gemm_edits.py) are worth to a compiled decode step.
+"""What inductor's AMX micro-GEMM edits (pie_actors/gpu/kernels/amx_gemm.py) are worth to a compiled decode step.
 
     python bench/gemm_edits.py [--keep 1] [--batch 32] [--rounds 6] [--out bench/RESULTS.md --title "..."]
 
 Two engines in one process: A compiles its decode graph with only the first `--keep` of
-`amx_gemm_edits._EDITS`, B with all of them; then rounds alternate between the two (decode tokens/s by
+`amx_gemm._EDITS`, B with all of them; then rounds alternate between the two (decode tokens/s by
 subtraction, as engine.py measures the engine), so the machine's drift hits both alike.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # before torch imports tqdm; see bas
 from baselines import by_subtraction
 from report import publish
 
-from pie_actors.gpu.kernels import amx_gemm_edits
+from pie_actors.gpu.kernels import amx_gemm
 from pie_actors.gpu.engine import Engine
 
 PROMPT_LEN, NEW_TOKENS = 32, 64
@@ -31,14 +31,14 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--title", default="AMX micro-GEMM edits")
     args = ap.parse_args()
-    every = amx_gemm_edits._EDITS
+    every = amx_gemm._EDITS
     runs = {}
     for name, edits in (("A", every[:args.keep]), ("B", every)):
-        amx_gemm_edits._EDITS = edits            # read when the bucket compiles, in the first generate
+        amx_gemm._EDITS = edits            # read when the bucket compiles, in the first generate
         engine = Engine.from_model("smollm2-135m-instruct", device="cpu", dtype="bfloat16", compile=True)
         engine.generate([[1, 2, 3]] * args.batch, max_new_tokens=2, ignore_eos=True)
         runs[name] = by_subtraction(lambda p, n, e=engine: e.generate(p, max_new_tokens=n, ignore_eos=True))
-    amx_gemm_edits._EDITS = every
+    amx_gemm._EDITS = every
     speeds: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.rounds):
         for name, run in runs.items():

@@ -82,7 +82,7 @@ def main() -> None:
     }
     calls = {(name, b): make(huge, scattered, b) for name, (make, huge, scattered) in variants.items() for b in batches}
     words = int(args.stream_mb * 2**20) // 8
-    chunks = hugepages.zeros((words * LAYERS,), torch.int64, cpu).chunk(LAYERS) if words else []
+    chunks = hugepages.zeros((words * LAYERS,), dtype=torch.int64, device=cpu).chunk(LAYERS) if words else []
 
     def step(call) -> float:
         """Seconds in `call` over the 30 layers, `--stream-mb` read before each."""

@@ -81,7 +81,7 @@ def _generate(args: argparse.Namespace) -> int:
     tok = engine.tokenizer
     if args.chat:
         if tok.chat_template is None:
-            raise ValueError(f"model {args.model or config.load_config()['model']!r} has no chat template")
+            raise ValueError(f"model {engine.model_name!r} has no chat template")
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                    [{"role": "user", "content": args.prompt}]
         text = tok.chat_template.render(messages, add_generation_prompt=True)
@@ -136,21 +136,6 @@ def parse_inputs(words: list[str]) -> dict:
     return inputs
 
 
-def _inferlet(path: str) -> tuple[str, Path | None]:
-    """(source, bundle folder) for a .py file, or for a folder holding main.py. A folder with more
-    Python files is a bundle: it gets its own component (built once, then cached) and its main.py
-    runs at launch (source "")."""
-    p = Path(path)
-    if p.is_dir():
-        main = p / "main.py"
-        if main.is_file() and any(f != main for f in p.rglob("*.py")):
-            return "", p
-        p = main
-    if not p.is_file():
-        raise FileNotFoundError(f"no inferlet at {path} (a .py file, or a folder with main.py)")
-    return p.read_text(encoding="utf-8"), None
-
-
 def _attached_files(specs: list[str]) -> dict[str, bytes]:
     """`--file name=path` options into {name: contents} for `session.file(name)`."""
     files = {}
@@ -187,60 +172,33 @@ class _Output:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .inferlet.host import InferletError
+    """`pie run`: launch the inferlet through the launch API and print its events as they come."""
+    from .process import Done, Failed, File, Send
+    from .runtime import Runtime
 
     out = _Output(args.files_out)
     files = _attached_files(args.file_attach)
     inputs = parse_inputs(args.inputs)
-    engine_options = {k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v}
-    try:
-        if args.local:
-            output = _run_local(args, inputs, files, out, engine_options)
-        else:
-            output = _run_on_ray(args, inputs, files, out, engine_options)
-    except InferletError as e:
-        print(f"\npie: inferlet failed: {e}", file=sys.stderr)
-        return 1
-    if out.streamed:
-        print()                  # the returned JSON goes on its own line
-    print(json.dumps(output, ensure_ascii=False))
+    settings = {"model": args.model, "device": args.device, "dtype": args.dtype, "timeout_s": args.timeout}
+    with (Runtime.local if args.local else Runtime.connect)(**settings) as runtime:
+        process = runtime.launch(args.file, inputs, name=args.name, files=files)
+        try:
+            for event in process.events():
+                if isinstance(event, Send):
+                    out.text(event.text)
+                elif isinstance(event, File):
+                    out.file(event.data)
+                elif isinstance(event, Failed):
+                    print(f"\npie: inferlet failed: {event.error()}", file=sys.stderr)
+                    return 1
+                elif isinstance(event, Done):
+                    if out.streamed:
+                        print()                  # the returned JSON goes on its own line
+                    print(json.dumps(event.output, ensure_ascii=False))
+        except KeyboardInterrupt:
+            process.kill()
+            raise
     return 0
-
-
-def _run_local(args, inputs: dict, files: dict, out: _Output, engine_options: dict):
-    """Everything in this process: an engine, its data-plane server, the sandbox."""
-    from .gpu.engine.data_plane import serve_model
-    from .inferlet.host import Sandbox
-    from .inferlet.run import run_inferlet
-
-    source, bundle = _inferlet(args.file)
-    server, address = serve_model(args.model or "", **engine_options)
-    try:
-        return run_inferlet(source, inputs, address, timeout=args.timeout, on_send=out.text,
-                            on_send_file=out.file, files=files,
-                            sandbox=Sandbox(bundle=bundle) if bundle is not None else None)
-    finally:
-        server.close()
-        server.engine.close()
-
-
-def _run_on_ray(args, inputs: dict, files: dict, out: _Output, engine_options: dict):
-    """Join the cluster at RAY_ADDRESS or the one running on this machine, else start a local one
-    (stopped again at the end); its Controller supplies the engine and a warm inferlet actor."""
-    import ray
-
-    from .controller import run_on_cluster
-    from .inferlet.actor import bundle_files
-
-    source, bundle = _inferlet(args.file)
-    ray.init(log_to_driver=False, logging_level="ERROR", configure_logging=False)
-    try:
-        return run_on_cluster(source, inputs, args.model or "", name=args.name, on_send=out.text,
-                              on_send_file=out.file, timeout=args.timeout, files=files,
-                              bundle=bundle_files(bundle) if bundle is not None else None,
-                              **engine_options)
-    finally:
-        ray.shutdown()
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -268,7 +226,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--model", help="model name or path (default: the configured model)")
     run.add_argument("--device", help="cpu, cuda, cuda:N (default: config)")
     run.add_argument("--dtype", help="float32, bfloat16, float16 (default: config)")
-    run.add_argument("--timeout", type=float, default=300.0, help="wall-clock limit in seconds")
+    run.add_argument("--timeout", type=float, help="wall-clock limit in seconds (default: config's timeout_s)")
     run.add_argument("--file", dest="file_attach", action="append", default=[], metavar="NAME=PATH",
                      help="attach a file, read in the inferlet with session.file(NAME) (repeatable)")
     run.add_argument("--files-out", metavar="DIR", help="where files the inferlet sends are written")

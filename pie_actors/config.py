@@ -1,43 +1,166 @@
-"""User settings: where pie keeps its files, `$PIE_HOME/config.toml`, and device/dtype choice.
+"""Settings: one frozen, typed `Config`, validated once and passed whole.
 
-Imported by processes that must stay light (inferlet actors), so torch is imported only inside the
-functions that need it.
+A `Config` has three parts: `engine` (EngineConfig: what an engine is built with; the engine and its
+data plane get it whole), `limits` (RunLimits: the bounds of every inferlet run, enforced on the host
+side) and the runtime's own settings (the Controller's warm pool). Values come from the defaults,
+then `$PIE_HOME/config.toml` (sections [engine] and [limits]), then keyword overrides given by name:
+
+    load(dtype="float32", timeout_s=60)      # each name belongs to exactly one part
+
+`pie config init` writes every field with its doc. Imported by processes that must stay light
+(inferlet actors, the Controller), so torch is imported only inside `pick_device` / `pick_dtype`.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
+    from .gpu.model.config import ModelConfig
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
+_DTYPES = {"auto": "auto", "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
+           "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
-# Every setting, its default and what it means; `pie config init` writes them out from here.
-DEFAULTS: dict[str, Any] = {
-    "model": DEFAULT_MODEL,
-    "device": "auto",
-    "dtype": "auto",
-    "page_size": 16,
-    "kv_memory_mb": 1024,
-    "max_batch_tokens": 4096,
-    "tp": 1,
-    "compile": False,
-}
-_DOCS = {
-    "model": "model to serve: a name from `pie model list`, a model folder or a .gguf file",
-    "device": '"auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"',
-    "dtype": '"auto" (bfloat16 where the hardware has it, else float32), "float32", "bfloat16" or "float16"',
-    "page_size": "tokens per KV-cache page",
-    "kv_memory_mb": "memory for the KV-cache page pool, per worker",
-    "max_batch_tokens": "most tokens one batched forward pass may hold",
-    "tp": "tensor-parallel degree (number of GPU workers a model is split over)",
-    "compile": "run decode batches through torch.compile (faster steady state; each batch-size bucket "
-               "compiles once, which takes a minute or more on a CPU)",
-}
 
+class ConfigError(ValueError):
+    """A setting with a wrong type or value; the message names it."""
+
+
+def _doc(text: str, **kw: Any) -> Any:
+    return field(metadata={"doc": text}, **kw)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What an engine is built with. Two engines of one model with different EngineConfigs are
+    different engines (the Controller refuses to reuse one for the other)."""
+
+    model: str = _doc("model to serve: a name from `pie model list`, a model folder or a .gguf file",
+                      default=DEFAULT_MODEL)
+    device: str = _doc('"auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"', default="auto")
+    dtype: str = _doc('"auto" (bfloat16 where the hardware has it, else float32), "float32", "bfloat16" '
+                      'or "float16"', default="auto")
+    page_size: int = _doc("tokens per KV-cache page", default=16)
+    kv_memory_mb: int = _doc("memory for the KV-cache page pool, per worker", default=1024)
+    num_pages: int = _doc("KV-cache pages per worker; 0: as many as fit in kv_memory_mb", default=0)
+    max_batch_tokens: int = _doc("most tokens one batched forward pass may hold", default=4096)
+    tp: int = _doc("tensor-parallel degree (number of workers a model is split over); it must divide "
+                   "the model's attention heads, KV heads, MLP width and vocabulary", default=1)
+    compile: bool = _doc("run decode batches through torch.compile (faster steady state; each batch-size "
+                         "bucket compiles once, which takes a minute or more on a CPU)", default=False)
+    num_threads: int = _doc("CPU threads for the model; 0: every core this process may use", default=0)
+    hugepages: bool = _doc("CPU: weights and KV pages on transparent huge pages (bench/RESULTS.md)",
+                           default=True)
+    amx_gemm_edits: bool = _doc("CPU with AMX, compiled decode: prefetch and cache-hint edits to "
+                                "inductor's AMX GEMM template (bench/RESULTS.md); ignored elsewhere",
+                                default=True)
+    max_programs: int = _doc("eta programs (traced epilogues) one inferlet run may register", default=4096)
+    channel_memory_mb: int = _doc("engine memory all channels together may reserve", default=256)
+
+    def __post_init__(self) -> None:
+        _check_types(self, "engine")
+        if not _DEVICE.fullmatch(self.device):
+            raise ConfigError(f'engine.device must be "auto", "cpu", "cuda" or "cuda:N", got {self.device!r}')
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"engine.dtype must be one of {', '.join(sorted(set(_DTYPES.values())))}, "
+                              f"got {self.dtype!r}")
+        object.__setattr__(self, "dtype", _DTYPES[self.dtype])
+        _check_min(self, "engine", page_size=1, kv_memory_mb=1, num_pages=0, max_batch_tokens=1, tp=1,
+                   num_threads=0, max_programs=1, channel_memory_mb=1)
+        if not self.model:
+            raise ConfigError("engine.model must name a model")
+
+    def check_model(self, cfg: ModelConfig) -> None:
+        """Refuse a tensor-parallel size that does not split the model (before any rank starts: a
+        shape that does not split would fail on every rank at once)."""
+        for what, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
+                        ("intermediate size", cfg.intermediate_size), ("vocabulary size", cfg.vocab_size)):
+            if n % self.tp:
+                raise ConfigError(f"tensor-parallel size {self.tp} does not divide the model's {what} ({n})")
+
+    def differences(self, other: EngineConfig) -> list[str]:
+        """`name=this` vs `other` for each setting that differs, for error messages."""
+        return [f"{f.name}={getattr(self, f.name)!r} (asked: {getattr(other, f.name)!r})"
+                for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+
+
+@dataclass(frozen=True)
+class RunLimits:
+    """The bounds of one inferlet run, enforced by its host (the sandbox and its host operations)."""
+
+    timeout_s: float = _doc("wall-clock limit of a run, in seconds", default=300.0)
+    memory_mb: int = _doc("the sandbox's linear memory limit per run (the guest's heap)", default=512)
+    run_ahead_window: int = _doc("passes a run_ahead loop keeps in flight beyond what the host has read",
+                                 default=8)
+    channel_capacity: int = _doc("what model.channel_capacity() tells programs to ask of a channel that "
+                                 "buffers a whole decode", default=1024)
+
+    def __post_init__(self) -> None:
+        _check_types(self, "limits")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"limits.timeout_s must be positive, got {self.timeout_s!r}")
+        _check_min(self, "limits", memory_mb=16, run_ahead_window=1, channel_capacity=1)
+
+
+@dataclass(frozen=True)
+class Config:
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    limits: RunLimits = dataclasses.field(default_factory=RunLimits)
+    pool_size: int = _doc("warm inferlet actors the Controller keeps started", default=2)
+
+    def __post_init__(self) -> None:
+        _check_types(self, "")
+        _check_min(self, "", pool_size=0)
+
+    def replace(self, **overrides: Any) -> Config:
+        """This config with settings replaced by name (`dtype=...`, `timeout_s=...`); validated."""
+        parts: dict[str, dict[str, Any]] = {"": {}, "engine": {}, "limits": {}}
+        for name, value in overrides.items():
+            if name not in _SECTION_OF:
+                raise ConfigError(f"unknown setting {name!r}; known: {', '.join(sorted(_SECTION_OF))}")
+            parts[_SECTION_OF[name]][name] = value
+        return dataclasses.replace(self, engine=dataclasses.replace(self.engine, **parts["engine"]),
+                                   limits=dataclasses.replace(self.limits, **parts["limits"]), **parts[""])
+
+
+_SECTIONS: dict[str, type] = {"engine": EngineConfig, "limits": RunLimits}
+_SECTION_OF: dict[str, str] = {}      # setting name -> its section ("" for Config's own)
+for _section, _cls in (("", Config), *_SECTIONS.items()):
+    for _f in fields(_cls):
+        if _f.name not in _SECTIONS:
+            assert _f.name not in _SECTION_OF, f"setting {_f.name!r} is in two sections"
+            _SECTION_OF[_f.name] = _section
+
+
+def _check_types(obj: Any, section: str) -> None:
+    prefix = f"{section}." if section else ""
+    for f in fields(obj):
+        if f.name in _SECTIONS:
+            continue
+        value, kind = getattr(obj, f.name), type(f.default)
+        if kind is float and type(value) is int:
+            object.__setattr__(obj, f.name, float(value))
+        elif type(value) is not kind:
+            raise ConfigError(f"{prefix}{f.name} must be a {kind.__name__}, got {value!r}")
+
+
+def _check_min(obj: Any, section: str, **minimum: int) -> None:
+    prefix = f"{section}." if section else ""
+    for name, low in minimum.items():
+        if getattr(obj, name) < low:
+            raise ConfigError(f"{prefix}{name} must be at least {low}, got {getattr(obj, name)!r}")
+
+
+# ---- files ---------------------------------------------------------------------------------------
 
 def pie_home() -> Path:
     """$PIE_HOME, else ~/.pie: models, caches and config.toml live here."""
@@ -48,32 +171,30 @@ def config_path() -> Path:
     return pie_home() / "config.toml"
 
 
-def _toml_value(value: Any) -> str:
-    return json.dumps(value)  # JSON strings, numbers and booleans are valid TOML values
+def _toml_lines(obj: Any) -> list[str]:
+    lines = []
+    for f in fields(obj):
+        if f.name not in _SECTIONS:   # JSON strings, numbers and booleans are valid TOML values
+            lines += [f"# {f.metadata['doc']}", f"{f.name} = {json.dumps(getattr(obj, f.name))}", ""]
+    return lines
 
 
 def init_config(force: bool = False) -> Path:
-    """Write config.toml holding the defaults, each with a comment; refuses to overwrite unless `force`."""
+    """Write config.toml holding the defaults, each with its doc; refuses to overwrite unless `force`."""
     path = config_path()
     if path.exists() and not force:
         raise FileExistsError(f"{path} already exists (use --force to overwrite it)")
-    lines = ["# pie settings. Delete a line to use its default.", ""]
-    for key, value in DEFAULTS.items():
-        lines += [f"# {_DOCS[key]}", f"{key} = {_toml_value(value)}", ""]
+    default = Config()
+    lines = ["# pie settings. Delete a line to use its default.", ""] + _toml_lines(default)
+    for section in _SECTIONS:
+        lines += [f"[{section}]", ""] + _toml_lines(getattr(default, section))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines), encoding="utf-8")
     return path
 
 
-def load_config() -> dict[str, Any]:
-    """The settings: DEFAULTS overridden by config.toml when it exists.
-
-    Raises ValueError on unknown keys or wrongly typed values, so a typo does not go unnoticed.
-    """
-    config = dict(DEFAULTS)
-    path = config_path()
-    if not path.is_file():
-        return config
+def _read_file(path: Path) -> dict[str, Any]:
+    """config.toml's settings as flat overrides; unknown keys and sections are errors."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
@@ -84,15 +205,37 @@ def load_config() -> dict[str, Any]:
     try:
         values = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{path}: {e}") from e
+        raise ConfigError(f"{path}: {e}") from e
+    flat: dict[str, Any] = {}
     for key, value in values.items():
-        if key not in DEFAULTS:
-            raise ValueError(f"{path}: unknown setting {key!r}; known: {sorted(DEFAULTS)}")
-        if type(value) is not type(DEFAULTS[key]):
-            raise ValueError(f"{path}: {key} must be a {type(DEFAULTS[key]).__name__}, got {value!r}")
-        config[key] = value
-    return config
+        if key in _SECTIONS and isinstance(value, dict):
+            for name, v in value.items():
+                if _SECTION_OF.get(name) != key:
+                    raise ConfigError(f"{path}: unknown setting {key}.{name}; known in [{key}]: "
+                                      f"{', '.join(f.name for f in fields(_SECTIONS[key]))}")
+                flat[name] = v
+        elif _SECTION_OF.get(key) == "":
+            flat[key] = value
+        else:
+            where = f" (it belongs in [{_SECTION_OF[key]}])" if key in _SECTION_OF else ""
+            raise ConfigError(f"{path}: unknown setting {key!r}{where}")
+    return flat
 
+
+def load(**overrides: Any) -> Config:
+    """The settings: defaults, then config.toml when it exists, then `overrides` (by setting name;
+    None means "not given"). Raises ConfigError naming the setting on a wrong name, type or value."""
+    path = config_path()
+    config = Config()
+    if path.is_file():
+        try:
+            config = config.replace(**_read_file(path))
+        except ConfigError as e:
+            raise ConfigError(str(e) if str(e).startswith(str(path)) else f"{path}: {e}") from None
+    return config.replace(**{k: v for k, v in overrides.items() if v is not None})
+
+
+# ---- device and dtype ----------------------------------------------------------------------------
 
 def pick_device(name: str = "auto") -> torch.device:
     import torch
@@ -101,12 +244,8 @@ def pick_device(name: str = "auto") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
+        raise ConfigError(f"device {name!r} requested but CUDA is not available")
     return device
-
-
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "fp16": "float16", "half": "float16"}
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -114,22 +253,23 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     (where it is about twice as fast as float32), float32 elsewhere."""
     import torch
 
+    name = _DTYPES.get(name, name)
     if name != "auto":
         if name not in _DTYPES:
-            raise ValueError(f"unknown dtype {name!r}; use one of auto, {', '.join(sorted(set(_DTYPES.values())))}")
-        return getattr(torch, _DTYPES[name])
+            raise ConfigError(f"unknown dtype {name!r}; use one of {', '.join(sorted(set(_DTYPES.values())))}")
+        return getattr(torch, name)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if _cpu_has_bf16() else torch.float32
+    return torch.bfloat16 if cpu_has("avx512_bf16", "amx_bf16") else torch.float32
 
 
-def _cpu_has_bf16() -> bool:
+def cpu_has(*flags: str) -> bool:
+    """Whether the CPU reports any of these /proc/cpuinfo flags (False where there is no cpuinfo)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:  # not Linux: no cheap way to tell, and float32 is always correct
+                    return bool(set(line.split(":", 1)[1].split()) & set(flags))
+    except OSError:  # not Linux: no cheap way to tell, and the plain path is always correct
         pass
     return False

@@ -31,17 +31,12 @@ def default_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def served(default_model_dir):
-    """The default model's engine (float32) served on a local port: (engine, server)."""
-    from tests.engine_helpers import serve
-    yield from serve(default_model_dir)
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    """A sandbox on the shared runner component, two-minute deadline per run."""
-    from pie_actors.inferlet import Sandbox
-    return Sandbox(timeout=120)
+def runtime(default_model_dir):
+    """The default model (float32) in a local Runtime: engine, data plane and sandbox in this
+    process; two-minute deadline per run."""
+    from pie_actors import Runtime
+    with Runtime.local(str(default_model_dir), dtype="float32", num_pages=256, timeout_s=120) as rt:
+        yield rt
 
 
 @pytest.fixture

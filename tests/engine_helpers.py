@@ -52,11 +52,11 @@ def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor
     return tokens, torch.stack(logits)
 
 
-def serve(model_dir: Path, name: str = "smollm2-135m-instruct"):
+def serve(model_dir: Path):
     """The model's engine (float32) started and served on a local port: yields (engine, server)."""
     from pie_actors.gpu.engine.data_plane import EngineServer
     engine = make_engine(model_dir, num_pages=256).start()
-    server = EngineServer(engine, name, model_dir)
+    server = EngineServer(engine)
     server.start()
     try:
         yield engine, server

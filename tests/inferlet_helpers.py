@@ -1,29 +1,51 @@
-"""Running inferlets against a served engine in tests (fixtures `served` and `sandbox` are in conftest)."""
+"""Running inferlets in tests through the launch API (the `runtime` fixture is in conftest)."""
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any, Callable
 
-from pie_actors.inferlet.run import run_inferlet
+from pie_actors import File, Runtime, Send
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def referenced(server) -> int:
-    return server.stats()["kv"]["referenced"]
+def run(runtime: Runtime, source: str, input: Any = None, *, messages: list = (), file_messages: list = (),
+        files: dict[str, bytes] | None = None, on_send: Callable[[str], None] | None = None,
+        on_send_file: Callable[[bytes], None] | None = None, timeout: float | None = None) -> Any:
+    """Launch `source` on `input`; `messages` and `file_messages` are what its session.receive() and
+    receive_file() get, in order. Returns its output; raises InferletError."""
+    process = runtime.launch(source, {} if input is None else input, files=files, timeout=timeout)
+    for message in messages:
+        process.send(message)
+    for data in file_messages:
+        process.send_file(data)
+    for event in process.events():
+        if isinstance(event, Send) and on_send is not None:
+            on_send(event.text)
+        elif isinstance(event, File) and on_send_file is not None:
+            on_send_file(event.data)
+    return process.result()
 
 
-def settle(engine, server, start: int) -> None:
-    """KV pages return once the run's connection is closed (the server notices asynchronously)."""
-    end = time.monotonic() + 10
-    while referenced(server) != start and time.monotonic() < end:
+def idle_stats(runtime: Runtime, timeout: float = 10) -> dict:
+    """The engine's stats once no run is connected (a run's connection is released by the engine a
+    moment after the run ends)."""
+    end = time.monotonic() + timeout
+    while (stats := runtime.stats())["connections"] and time.monotonic() < end:
         time.sleep(0.01)
-    assert referenced(server) == start
+    assert stats["connections"] == 0, stats
+    return stats
+
+
+def referenced(runtime: Runtime) -> int:
+    """KV pages referenced by working sets, once every run has let go of its connection."""
+    return idle_stats(runtime)["kv"]["referenced"]
+
+
+def settle(runtime: Runtime, start: int) -> None:
+    """Every page the runs took has returned, and the page store's books balance."""
+    assert referenced(runtime) == start
+    engine = runtime.engine
     with engine._lock:
         engine.kv.check()
-
-
-def run(served, sandbox, source, input=None, **kw):
-    """Run `source` on `input` against the served engine; returns the inferlet's output."""
-    engine, server = served
-    return run_inferlet(source, {} if input is None else input, server.address, sandbox=sandbox, **kw)

@@ -1,6 +1,7 @@
 """The model store, the settings file and the `pie` command line."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -129,21 +130,45 @@ def test_import_hf_folder(pie_home_dir, tmp_path, default_model_dir):
 # --- settings -------------------------------------------------------------------------------------
 
 def test_config_init_and_load(pie_home_dir):
-    assert config.load_config() == config.DEFAULTS  # no file: defaults
+    assert config.load() == config.Config()  # no file: defaults
     assert main(["config", "init"]) == 0
     path = pie_home_dir / "config.toml"
-    assert config.load_config() == config.DEFAULTS
+    text = path.read_text()
+    assert "[engine]" in text and "[limits]" in text and "# tokens per KV-cache page" in text
+    assert config.load() == config.Config()
     assert main(["config", "init"]) == 1  # refuses to overwrite
-    path.write_text(path.read_text().replace("page_size = 16", "page_size = 32"))
-    assert config.load_config()["page_size"] == 32
-    assert main(["config", "init", "--force"]) == 0 and config.load_config()["page_size"] == 16
+    path.write_text(text.replace("page_size = 16", "page_size = 32").replace("timeout_s = 300.0", "timeout_s = 5"))
+    loaded = config.load()
+    assert loaded.engine.page_size == 32 and loaded.limits.timeout_s == 5.0
+    assert config.load(page_size=8, dtype="bf16").engine == dataclasses.replace(loaded.engine, page_size=8,
+                                                                                  dtype="bfloat16")
+    assert main(["config", "init", "--force"]) == 0 and config.load().engine.page_size == 16
 
-    path.write_text('pagesize = 32\n')
-    with pytest.raises(ValueError, match="unknown setting 'pagesize'"):
-        config.load_config()
-    path.write_text('page_size = "32"\n')
-    with pytest.raises(ValueError, match="page_size must be a int"):
-        config.load_config()
+    bad = {'[engine]\npagesize = 32\n': "unknown setting engine.pagesize",
+           'page_size = 32\n': r"unknown setting 'page_size' \(it belongs in \[engine\]\)",
+           '[engine]\npage_size = "32"\n': "engine.page_size must be a int",
+           '[engine]\ntp = 0\n': "engine.tp must be at least 1",
+           '[limits]\ntimeout_s = -1\n': "limits.timeout_s must be positive",
+           '[engine]\ndevice = "tpu"\n': "engine.device must be"}
+    for text, message in bad.items():
+        path.write_text(text)
+        with pytest.raises(config.ConfigError, match=message):
+            config.load()
+    path.unlink()
+    with pytest.raises(config.ConfigError, match="unknown setting 'dtyp'"):
+        config.load(dtyp="float32")
+
+
+def test_engine_config_checks_the_tensor_parallel_split_and_names_differences():
+    from pie_actors.gpu.model.config import ModelConfig
+
+    model = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                        num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64)
+    config.EngineConfig(tp=3).check_model(model)
+    with pytest.raises(config.ConfigError, match=r"does not divide the model's attention heads \(9\)"):
+        config.EngineConfig(tp=2).check_model(model)
+    a, b = config.EngineConfig(), config.EngineConfig(dtype="float32", compile=True)
+    assert a.differences(b) == ["dtype='auto' (asked: 'float32')", "compile=False (asked: True)"]
 
 
 def test_pie_home_default(monkeypatch):

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from pie_actors.gpu.kernels import amx_gemm_edits
+from pie_actors.gpu.kernels import amx_gemm
 from pie_actors.gpu.kernels.compiled_decode import FUSED_ATTENTION_MAX_BATCH
 from pie_actors.gpu.engine import Engine, Lane, PassRequest
 from tests.engine_helpers import save_tiny_model
@@ -67,7 +67,7 @@ def test_two_compiled_engines_in_one_process_keep_their_own_weights(tmp_path):
 
 
 def test_amx_gemm_edits_fits_this_torch():
-    assert amx_gemm_edits.applies(), "inductor's AMX micro-GEMM template changed: update amx_gemm_edits.py"
+    assert amx_gemm.applies(), "inductor's AMX micro-GEMM template changed: update amx_gemm.py"
 
 
 @pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="needs AMX for inductor's AMX micro-GEMM")
@@ -77,13 +77,13 @@ def test_amx_gemm_edits_compiles_into_amx_gemms_and_keeps_results():
     linear = torch.nn.Linear(256, 512, bias=False).to(torch.bfloat16).eval()
     x = torch.randn(32, 256, dtype=torch.bfloat16)
     options = {"max_autotune": True, "max_autotune_gemm_backends": "CPP",
-               "post_grad_custom_post_pass": amx_gemm_edits.CacheKey()}
+               "post_grad_custom_post_pass": amx_gemm.CacheKey()}
     compiled = torch.compile(linear, options=options)
-    with torch.inference_mode(), torch._inductor.config.patch(freezing=True), amx_gemm_edits.patched():
+    with torch.inference_mode(), torch._inductor.config.patch(freezing=True), amx_gemm.patched():
         out, code = run_and_get_code(compiled, x)
         expected = linear(x)
     code = "".join(code)
     assert "_mm_prefetch" in code and "_tile_dpbf16ps" in code
     assert re.search(r"_tile_stream_loadd\(\d+, B", code) and re.search(r"_tile_loadd\(\d+, A", code)
     torch.testing.assert_close(out, expected)
-    assert amx_gemm_edits._original is None        # the template is restored on leaving
+    assert amx_gemm._original is None        # the template is restored on leaving

@@ -121,7 +121,7 @@ print(huge() - before)
 @pytest.mark.skipif(not THP, reason="the OS gives no transparent huge pages")
 def test_kv_tensors_sit_on_huge_pages():
     assert _huge_pages_gained("""
-t = hugepages.zeros((3, 64 * 2**20 // 384, 64), torch.bfloat16, torch.device("cpu"))   # 64 MiB
+t = hugepages.zeros((3, 64 * 2**20 // 384, 64), dtype=torch.bfloat16, device=torch.device("cpu"))   # 64 MiB
 assert t.shape == (3, 64 * 2**20 // 384, 64) and not t.any()
 """) >= 32 * 1024
 

@@ -265,6 +265,7 @@ def ray_local():
 
 def test_engine_actor_serves_a_client(ray_local, dummy_home):
     from pie_actors.gpu.engine import Engine
+    from pie_actors.config import load
     from pie_actors.gpu.engine.actor import start_engine_actor
 
     folder = dummy_home / "models" / "dummy"
@@ -273,7 +274,8 @@ def test_engine_actor_serves_a_client(ray_local, dummy_home):
     prompt = local.tokenizer.encode(PROMPTS[3])
     want = local.generate([prompt], 5, ignore_eos=True)[0]
 
-    actor, (host, port) = start_engine_actor(str(folder), name="test-engine", num_threads=1, **options)
+    actor, (host, port) = start_engine_actor(load(model=str(folder), num_threads=1, **options).engine,
+                                             name="test-engine")
 
     async def main():
         async with await EngineClient.connect(host, port) as client:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pie_actors.inferlet import InferletError
-from pie_actors.inferlet.run import RUN_AHEAD_WINDOW
-from tests.inferlet_helpers import referenced, run, settle
+from pie_actors import InferletError, RunLimits, Send
+from tests.inferlet_helpers import idle_stats, referenced, run, settle
 
 PROMPT = "The capital of France is"
 
@@ -69,36 +68,36 @@ async def main(input):
 """
 
 
-def _run_counting(served, sandbox, source, input):
-    """Run and count the requests the host sent to the engine (round trips started)."""
-    hosts = []
-    out = run(served, sandbox, source, input, on_start=hosts.append)
-    return out, hosts[0].client.requests
+def _run_counting(runtime, source, input):
+    """Run and count the requests the run sent to the engine (round trips started)."""
+    before = idle_stats(runtime)["requests"]
+    out = run(runtime, source, input)
+    return out, idle_stats(runtime)["requests"] - before
 
 
-def test_run_ahead_decodes_the_per_token_tokens_with_a_request_per_window(served, sandbox):
-    engine, server = served
-    start = referenced(server)
+def test_run_ahead_decodes_the_per_token_tokens_with_a_request_per_window(runtime):
+    engine = runtime.engine
+    start = referenced(runtime)
     n = 40
     want = engine.generate([engine.tokenizer.encode(PROMPT)], n, ignore_eos=True)[0]
-    per_token, per_token_requests = _run_counting(served, sandbox, PER_TOKEN, {"prompt": PROMPT, "n": n})
-    ahead, ahead_requests = _run_counting(served, sandbox, RUN_AHEAD, {"prompt": PROMPT, "n": n, "budget": 100})
+    per_token, per_token_requests = _run_counting(runtime, PER_TOKEN, {"prompt": PROMPT, "n": n})
+    ahead, ahead_requests = _run_counting(runtime, RUN_AHEAD, {"prompt": PROMPT, "n": n, "budget": 100})
     assert per_token["tokens"] == want and ahead["tokens"] == want
     # the runs after the last token read were cut off: the working set is what per-token decoding left
     assert ahead["kept"] == n - 1 and ahead["folded"] == per_token["folded"] == ahead["prompt"] + n - 1
     assert ahead["next"] == [want[-1]]          # and the input channel holds the last token read
     # requests per extra token: decoding n more tokens costs n requests one pass at a time, and one
     # per window (the host telling the engine how far it has read) with run-ahead
-    _, per_token_more = _run_counting(served, sandbox, PER_TOKEN, {"prompt": PROMPT, "n": 2 * n})
-    _, ahead_more = _run_counting(served, sandbox, RUN_AHEAD, {"prompt": PROMPT, "n": 2 * n, "budget": 200})
+    _, per_token_more = _run_counting(runtime, PER_TOKEN, {"prompt": PROMPT, "n": 2 * n})
+    _, ahead_more = _run_counting(runtime, RUN_AHEAD, {"prompt": PROMPT, "n": 2 * n, "budget": 200})
     assert per_token_more - per_token_requests == n
-    assert ahead_more - ahead_requests <= n // RUN_AHEAD_WINDOW, (ahead_requests, ahead_more)
-    settle(engine, server, start)
+    assert ahead_more - ahead_requests <= n // RunLimits.run_ahead_window, (ahead_requests, ahead_more)
+    settle(runtime, start)
 
 
-def test_run_ahead_ends_at_its_budget(served, sandbox):
-    engine, _ = served
-    out = run(served, sandbox, RUN_AHEAD, {"prompt": PROMPT, "n": 1000, "budget": 5})
+def test_run_ahead_ends_at_its_budget(runtime):
+    engine = runtime.engine
+    out = run(runtime, RUN_AHEAD, {"prompt": PROMPT, "n": 1000, "budget": 5})
     want = engine.generate([engine.tokenizer.encode(PROMPT)], 6, ignore_eos=True)[0]
     assert out["tokens"] == want and out["kept"] == 5
 
@@ -139,13 +138,13 @@ async def main(input):
 
 
 @pytest.mark.parametrize("a", [None, 0.2], ids=["temperature", "top-a"])
-def test_seeded_sampling_is_reproducible_and_seed_dependent(served, sandbox, a):
-    runs = {seed: run(served, sandbox, SAMPLER, {"prompt": "Once upon a time", "n": 12, "seed": seed, "a": a})
+def test_seeded_sampling_is_reproducible_and_seed_dependent(runtime, a):
+    runs = {seed: run(runtime, SAMPLER, {"prompt": "Once upon a time", "n": 12, "seed": seed, "a": a})
             for seed in (1, 1, 2)}
-    again = run(served, sandbox, SAMPLER, {"prompt": "Once upon a time", "n": 12, "seed": 1, "a": a})
+    again = run(runtime, SAMPLER, {"prompt": "Once upon a time", "n": 12, "seed": 1, "a": a})
     assert again == runs[1]
     assert runs[1] != runs[2]
-    stats = served[1].stats()["programs"]
+    stats = runtime.stats()["programs"]
     assert stats["cache_hits"] > 0       # the same IR from another run compiles once per engine
 
 
@@ -174,13 +173,13 @@ async def main(input):
 """
 
 
-def test_a_failed_pass_poisons_its_channels_and_the_waiting_host_sees_why(served, sandbox):
-    engine, server = served
-    start = referenced(server)
-    out = run(served, sandbox, POISON, {})
+def test_a_failed_pass_poisons_its_channels_and_the_waiting_host_sees_why(runtime):
+    engine = runtime.engine
+    start = referenced(runtime)
+    out = run(runtime, POISON, {})
     assert "poisoned" in out["error"] and "is empty" in out["error"], out
     assert out["folded"] == 0                 # the failed pass's rows were rolled back
-    settle(engine, server, start)
+    settle(runtime, start)
 
 
 @pytest.mark.parametrize("body, message", [
@@ -194,9 +193,9 @@ def test_a_failed_pass_poisons_its_channels_and_the_waiting_host_sees_why(served
     ("Channel([1], dtype.i32).take()", "is empty"),
     ("Channel([1], 'complex')._h()", "unknown channel dtype 'complex'"),
 ])
-def test_bad_programs_get_clear_errors(served, sandbox, body, message):
-    engine, server = served
-    start = referenced(server)
+def test_bad_programs_get_clear_errors(runtime, body, message):
+    engine = runtime.engine
+    start = referenced(runtime)
     source = f"""
 from inferlet import model
 from inferlet.eta import Channel, ForwardPass, Pipeline, WorkingSet, dtype, intrinsics, reduce_argmax
@@ -210,9 +209,9 @@ async def main(input):
     return {{}}
 """
     with pytest.raises(InferletError) as info:
-        run(served, sandbox, source, {})
+        run(runtime, source, {})
     assert message in info.value.message, info.value.message
-    settle(engine, server, start)
+    settle(runtime, start)
 
 
 LORA = """
@@ -238,19 +237,19 @@ async def main(input):
 """
 
 
-def test_a_lora_adapter_equals_the_merged_weights_and_stays_private(served, sandbox, default_model_dir):
+def test_a_lora_adapter_equals_the_merged_weights_and_stays_private(runtime, default_model_dir):
     import torch
 
     from tests.engine_helpers import make_engine
-    engine, server = served
-    start = referenced(server)
+    engine = runtime.engine
+    start = referenced(runtime)
     g = torch.Generator().manual_seed(0)
     hidden = engine.cfg.hidden_size
     a, b = torch.randn(hidden, 4, generator=g) * 0.2, torch.randn(4, hidden, generator=g) * 0.2
     base = {"prompt": PROMPT, "n": 8, "site": "o"}
-    plain = run(served, sandbox, LORA, base)["tokens"]
-    adapted = run(served, sandbox, LORA, {**base, "lora": [a.tolist(), b.tolist()]})["tokens"]
-    zero = run(served, sandbox, LORA, {**base, "lora": [a.tolist(), (b * 0).tolist()]})["tokens"]
+    plain = run(runtime, LORA, base)["tokens"]
+    adapted = run(runtime, LORA, {**base, "lora": [a.tolist(), b.tolist()]})["tokens"]
+    zero = run(runtime, LORA, {**base, "lora": [a.tolist(), (b * 0).tolist()]})["tokens"]
     assert zero == plain and adapted != plain
     # the same low-rank update merged into every layer's o_proj weight
     merged = make_engine(default_model_dir)
@@ -261,12 +260,12 @@ def test_a_lora_adapter_equals_the_merged_weights_and_stays_private(served, sand
     merged.close()
     assert adapted == want
     # the adapted run's KV did not enter the prefix cache: the plain prompt still gives plain tokens
-    assert run(served, sandbox, LORA, base)["tokens"] == plain
+    assert run(runtime, LORA, base)["tokens"] == plain
     with pytest.raises(InferletError, match="unknown adapter site 'nope'"):
-        run(served, sandbox, LORA, {**base, "site": "nope", "lora": [a.tolist(), b.tolist()]})
+        run(runtime, LORA, {**base, "site": "nope", "lora": [a.tolist(), b.tolist()]})
     with pytest.raises(InferletError, match=r"op 6 \(add\) on shapes \[5, 576\], \[5, 7\]"):
-        run(served, sandbox, LORA, {**base, "lora": [a.tolist(), b[:, :7].tolist()]})
-    settle(engine, server, start)
+        run(runtime, LORA, {**base, "lora": [a.tolist(), b[:, :7].tolist()]})
+    settle(runtime, start)
 
 
 MASKED = """
@@ -295,14 +294,14 @@ async def main(input):
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed-words", "bool-list"])
-def test_a_grammar_mask_reaches_the_device_through_a_channel(served, sandbox, packed):
-    engine, _ = served
+def test_a_grammar_mask_reaches_the_device_through_a_channel(runtime, packed):
+    engine = runtime.engine
     prompt = engine.tokenizer.encode(PROMPT)
     greedy = engine.generate([prompt], 1, ignore_eos=True)[0][0]
     allowed = [5, 31, 32, 49151, 40000]                # word edges and the sign bit of a word
-    out = run(served, sandbox, MASKED, {"allowed": allowed, "packed": packed})
+    out = run(runtime, MASKED, {"allowed": allowed, "packed": packed})
     assert out["ones"] == len(allowed) and out["token"] in allowed
-    both = run(served, sandbox, MASKED, {"allowed": allowed + [greedy], "packed": packed})
+    both = run(runtime, MASKED, {"allowed": allowed + [greedy], "packed": packed})
     assert both["token"] == greedy
 
 
@@ -336,26 +335,20 @@ async def main(input):
 """
 
 
-def test_dropped_working_sets_return_their_pages_and_fork_waits_for_submitted_passes(served, sandbox):
-    import threading
+def test_dropped_working_sets_return_their_pages_and_fork_waits_for_submitted_passes(runtime):
     import time
 
-    engine, server = served
-    start = referenced(server)
+    engine = runtime.engine
+    start = referenced(runtime)
     peaks = {}
     for loops in (1, 6):
-        hosts, ready = [], threading.Event()
-        thread = threading.Thread(target=lambda: peaks.__setitem__(loops, run(
-            served, sandbox, DROP_AND_FORK, {"loops": loops}, on_start=hosts.append,
-            on_send=lambda text: ready.set())))
-        thread.start()
-        assert ready.wait(60)
+        process = runtime.launch(DROP_AND_FORK, {"loops": loops})
+        assert next(process.events(timeout=60)) == Send("ready")
         time.sleep(0.2)                          # the last drop's free reaches the engine
-        in_use = referenced(server) - start
-        hosts[0].deliver("go")
-        thread.join(60)
-        peaks[loops] = (in_use, peaks[loops])
+        in_use = runtime.stats()["kv"]["referenced"] - start
+        process.send("go")
+        peaks[loops] = (in_use, process.result(60))
     (one, out_one), (six, out_six) = peaks[1], peaks[6]
     assert one == six > 0                        # six dropped working sets hold no more than one
     assert out_one["child"] == out_one["parent"] == out_six["child"] > 0
-    settle(engine, server, start)
+    settle(runtime, start)

@@ -15,7 +15,7 @@ import pytest
 
 from pie_actors.inferlet.chat_ops import ChatTokens
 from tests.chat_families import FAMILIES, TEMPLATES, make_family_dir
-from tests.engine_helpers import serve
+from pie_actors import Runtime
 from tests.inferlet_helpers import referenced, run, settle
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -51,16 +51,16 @@ SCHEMAS = {
 
 
 @pytest.mark.parametrize("name", SCHEMAS)
-def test_constrained_json_validates(served, sandbox, name):
-    engine, server = served
-    start = referenced(server)
+def test_constrained_json_validates(runtime, name):
+    engine = runtime.engine
+    start = referenced(runtime)
     schema = SCHEMAS[name]
-    out = run(served, sandbox, example("constrained_json"), {} if schema is None else {"schema": schema})
+    out = run(runtime, example("constrained_json"), {} if schema is None else {"schema": schema})
     schema = schema or literal("constrained_json", "PERSON")
     assert out["complete"], out
     assert json.loads(out["text"]) == out["value"]
     jsonschema.validate(out["value"], schema)
-    settle(engine, server, start)
+    settle(runtime, start)
 
 
 def parse_arithmetic(text: str) -> Fraction | None:
@@ -131,15 +131,15 @@ def test_parse_arithmetic_checks_the_grammar():
 
 
 @pytest.mark.parametrize("prompt", [None, "What is seven times six plus one?"])
-def test_constrained_ebnf_output_is_an_expression(served, sandbox, prompt):
-    out = run(served, sandbox, example("constrained_ebnf"), {} if prompt is None else {"prompt": prompt})
+def test_constrained_ebnf_output_is_an_expression(runtime, prompt):
+    out = run(runtime, example("constrained_ebnf"), {} if prompt is None else {"prompt": prompt})
     assert out["complete"] and out["tokens"] >= 1, out
     parse_arithmetic(out["text"])
 
 
-def test_constrained_ebnf_ends_complete_within_a_small_budget(served, sandbox):
+def test_constrained_ebnf_ends_complete_within_a_small_budget(runtime):
     """A budget too small for the model's own expression: the last tokens only let it finish."""
-    out = run(served, sandbox, example("constrained_ebnf"), {"max_tokens": 6, "close_within": 4})
+    out = run(runtime, example("constrained_ebnf"), {"max_tokens": 6, "close_within": 4})
     assert out["complete"] and out["tokens"] <= 6, out
     parse_arithmetic(out["text"])
 
@@ -150,17 +150,17 @@ def test_constrained_ebnf_ends_complete_within_a_small_budget(served, sandbox):
     ("constrained_ebnf", {"grammar": "start: expr\nexpr: NUM |"}, "invalid EBNF grammar"),
     ("constrained_ebnf", {"grammar": "root ::= \"a"}, "invalid EBNF grammar"),
 ])
-def test_bad_grammars_are_reported_by_the_examples(served, sandbox, name, input, message):
-    out = run(served, sandbox, example(name), input)
+def test_bad_grammars_are_reported_by_the_examples(runtime, name, input, message):
+    out = run(runtime, example(name), input)
     assert set(out) == {"error"} and message in out["error"], out
 
 
 # ---- tools ------------------------------------------------------------------------------------------
 
-def test_tool_agent_calls_the_calculator_and_gets_the_answer_back(served, sandbox):
-    engine, server = served
-    start = referenced(server)
-    out = run(served, sandbox, example("tool_agent"), {"question": "What is 37 times 12?"})
+def test_tool_agent_calls_the_calculator_and_gets_the_answer_back(runtime):
+    engine = runtime.engine
+    start = referenced(runtime)
+    out = run(runtime, example("tool_agent"), {"question": "What is 37 times 12?"})
     assert out["errors"] == [] and len(out["calls"]) == 1, out
     call = out["calls"][0]
     assert call["name"] == "calculator"
@@ -175,13 +175,13 @@ def test_tool_agent_calls_the_calculator_and_gets_the_answer_back(served, sandbo
     transcript = out["transcript"]
     assert out["rounds"] == 2 and transcript.endswith(answer_turn + out["answer"]), transcript[-300:]
     assert transcript.index('"name": "calculator"') < transcript.index("<tool_response>")
-    settle(engine, server, start)
+    settle(runtime, start)
 
 
-def test_tool_agent_reports_a_call_cut_off(served, sandbox):
+def test_tool_agent_reports_a_call_cut_off(runtime):
     """Too few tokens for the call: the decoder reports the open call at the end of the reply as an
     error event; nothing is answered and the inferlet ends normally."""
-    out = run(served, sandbox, example("tool_agent"), {"max_tokens": 8})
+    out = run(runtime, example("tool_agent"), {"max_tokens": 8})
     assert out["calls"] == [] and out["rounds"] == 1, out
     assert len(out["errors"]) == 1 and "ended inside a tool call" in out["errors"][0]["message"]
 
@@ -197,15 +197,16 @@ def thinking_served(default_model_dir, tmp_path_factory):
                              (TEMPLATES / "qwen3-thinking-2507.jinja").read_text())
     for name in ("config.json", "generation_config.json", "model.safetensors"):
         (folder / name).symlink_to(default_model_dir / name)
-    yield from serve(folder)
+    with Runtime.local(str(folder), dtype="float32", num_pages=256, timeout_s=120) as rt:
+        yield rt
 
 
 @pytest.mark.parametrize("budget", [8, 200])
-def test_reasoning_chat_separates_thinking_on_a_thinking_template(thinking_served, sandbox, budget):
-    engine, server = thinking_served
+def test_reasoning_chat_separates_thinking_on_a_thinking_template(thinking_served, budget):
+    engine = thinking_served.engine
     assert engine.tokenizer.decode(ChatTokens(engine.tokenizer).cue()).endswith("<think>\n")
     sent: list[str] = []
-    out = run(thinking_served, sandbox, example("reasoning_chat"), {"think_budget": budget, "max_tokens": 24},
+    out = run(thinking_served, example("reasoning_chat"), {"think_budget": budget, "max_tokens": 24},
               on_send=sent.append)
     assert out["events"] == ["Start", "Delta", "End"], out
     assert out["thinking"] and out["answer"], out
@@ -215,23 +216,23 @@ def test_reasoning_chat_separates_thinking_on_a_thinking_template(thinking_serve
         assert out["forced_close"] and len(engine.tokenizer.encode(out["thinking"])) <= 8
 
 
-def test_reasoning_chat_on_a_model_without_thinking(served, sandbox):
+def test_reasoning_chat_on_a_model_without_thinking(runtime):
     """SmolLM2's template has no thinking: cue_thinking(True) is the plain cue, the decoder stays
     idle and the whole reply is the answer."""
-    out = run(served, sandbox, example("reasoning_chat"), {"max_tokens": 16})
+    out = run(runtime, example("reasoning_chat"), {"max_tokens": 16})
     assert out["thinking"] is None and out["events"] == [] and not out["forced_close"]
     assert out["answer"], out
 
 
 # ---- interactive chat ---------------------------------------------------------------------------
 
-def test_interactive_chat_reuses_its_working_set_and_matches_a_fresh_request(served, sandbox):
-    engine, server = served
+def test_interactive_chat_reuses_its_working_set_and_matches_a_fresh_request(runtime):
+    engine = runtime.engine
     chat = ChatTokens(engine.tokenizer)
-    start = referenced(server)
+    start = referenced(runtime)
     first, second = "What is the capital of France?", "And of Italy?"
     sent: list[str] = []
-    out = run(served, sandbox, example("interactive_chat"), {}, messages=[first, second, None],
+    out = run(runtime, example("interactive_chat"), {}, messages=[first, second, None],
               on_send=sent.append)
     t1, t2 = out["turns"]
     assert [json.loads(m) for m in sent] == [{"turn": 1, **t1}, {"turn": 2, **t2}]
@@ -239,15 +240,15 @@ def test_interactive_chat_reuses_its_working_set_and_matches_a_fresh_request(ser
     # turn 2 found turn 1 in the working set and fed only the end of the reply and the new turn
     assert t1["folded_before"] == 0 and t2["folded_before"] == t1["folded_after"] > t1["fed"]
     assert t2["fed"] == len(chat.seal() + chat.user(second) + chat.cue_without_thinking())
-    settle(engine, server, start)
+    settle(runtime, start)
 
     # a fresh request given the whole conversation: the same tokens, the same greedy reply; the
     # pages the chat left in the prefix cache are found again
     history = [{"role": "user", "content": first}, {"role": "assistant", "content": t1["reply"]}]
-    fresh = run(served, sandbox, example("interactive_chat"), {"history": history, "turns": 1},
+    fresh = run(runtime, example("interactive_chat"), {"history": history, "turns": 1},
                 messages=[second])
     (f2,) = fresh["turns"]
     assert f2["fed"] == t2["folded_before"] + t2["fed"] and f2["folded_after"] == t2["folded_after"]
     assert f2["reply"] == t2["reply"]
     assert f2["cached_tokens"] >= engine.kv.page_size, f2
-    settle(engine, server, start)
+    settle(runtime, start)

@@ -7,39 +7,36 @@ from pathlib import Path
 import pytest
 import ray
 
+from pie_actors import Done, Failed, Program, RunLimits, Send
+from pie_actors.config import load
 from pie_actors.gpu.engine.actor import start_engine_actor
 from pie_actors.inferlet.actor import inferlet_actor
 
-QUICKSTART = (Path(__file__).resolve().parent.parent / "examples/quickstart/main.py").read_text()
+QUICKSTART = Program.load(Path(__file__).resolve().parent.parent / "examples/quickstart/main.py")
 
 
 @pytest.fixture(scope="module")
 def cluster(default_model_dir):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    engine, address = start_engine_actor(str(default_model_dir), dtype="float32", num_threads=2)
+    engine, address = start_engine_actor(load(model=str(default_model_dir), dtype="float32").engine)
     actors = [inferlet_actor().remote() for _ in range(4)]
     ray.get([a.ready.remote() for a in actors])
     yield engine, address, actors
     ray.shutdown()
 
 
-def _run(actor, source: str, input: dict, address) -> tuple[list[str], dict]:
-    """(streamed messages, final event) of one run."""
-    sent, last = [], None
-    for ref in actor.run.remote(source, input, address):
-        event = ray.get(ref)
-        if "send" in event:
-            sent.append(event["send"])
-        else:
-            last = event
-    return sent, last
+def _run(actor, program, input: dict, address) -> tuple[list[str], Done | Failed]:
+    """(streamed messages, final event) of one run, read from the actor's event stream."""
+    events = [ray.get(ref) for ref in actor.run.remote(Program.load(program), input, address, RunLimits())]
+    assert all(isinstance(e, Send) for e in events[:-1])
+    return [e.text for e in events[:-1]], events[-1]
 
 
 def test_quickstart_streams_from_an_actor(cluster):
     _, address, actors = cluster
     sent, last = _run(actors[0], QUICKSTART, {"question": "What is the capital of France?"}, address)
     assert len(sent) > 1, "text should arrive token by token"
-    assert "".join(sent) == last["result"]["text"] and "Paris" in last["result"]["text"]
+    assert "".join(sent) == last.output["text"] and "Paris" in last.output["text"]
 
 
 def test_concurrent_actors_are_batched_and_a_failure_stays_alone(cluster):
@@ -53,8 +50,8 @@ def test_concurrent_actors_are_batched_and_a_failure_stays_alone(cluster):
         failed = pool.submit(_run, actors[3], bad, {"tag": "x1"}, address)
         assert [f.result()[1] for f in good] == alone
         _, error = failed.result()
-    assert error["error"]["kind"] == "exception" and "boom x1" in error["error"]["message"]
-    assert "line 2" in error["error"]["traceback"]
+    assert error.kind == "exception" and "boom x1" in error.message
+    assert "line 2" in error.traceback
     stats = ray.get(engine.stats.remote())
     assert max(int(b) for b in stats["batch_sizes"]) > 1
     assert stats["kv"]["referenced"] == before            # every page of every run came back

@@ -2,20 +2,22 @@
 limits and failures, the compiled-component cache, and bundles.
 
 The runner is built once (about 20 s on 2 cores) into $PIE_HOME/cache/inferlet/ and reused
-from there by later sessions, so a warm run of this file takes a few seconds.
+from there by later runs, so a warm run of this file takes a few seconds.
 """
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from pie_actors.config import RunLimits
 from pie_actors.inferlet import build as build_mod
 from pie_actors.inferlet import HostApi, InferletError, Sandbox, build_bundle
 
-MEMORY_LIMIT = 256 << 20
+LIMITS = RunLimits(timeout_s=30, memory_mb=256)
 
 
 class FakeHost(HostApi):
@@ -68,7 +70,7 @@ class FakeHost(HostApi):
 @pytest.fixture(scope="module")
 def sandbox() -> Sandbox:
     t0 = time.perf_counter()
-    sb = Sandbox(timeout=30, memory_limit=MEMORY_LIMIT)
+    sb = Sandbox(limits=LIMITS)
     art = sb.artifact
     print(f"\nrunner: from_cache={art.from_cache} build={art.build_s:.1f}s compile={art.compile_s:.1f}s "
           f"deserialize={sb.deserialize_s * 1000:.1f}ms sandbox={time.perf_counter() - t0:.2f}s")
@@ -188,7 +190,7 @@ async def main(input):
 def test_infinite_loop_times_out_then_next_run_works(sandbox):
     source = "async def main(input):\n    while True:\n        pass\n"
     t0 = time.monotonic()
-    err = run_fail(sandbox, source, timeout=1.0)
+    err = run_fail(sandbox, source, limits=replace(LIMITS, timeout_s=1.0))
     elapsed = time.monotonic() - t0
     assert err.kind == "timeout", err
     assert 1.0 <= elapsed < 2.0
@@ -202,7 +204,7 @@ async def main(input):
     return await _host.call_async("sleep", {"ms": 60000})
 """
     t0 = time.monotonic()
-    err = run_fail(sandbox, source, timeout=1.0)
+    err = run_fail(sandbox, source, limits=replace(LIMITS, timeout_s=1.0))
     assert err.kind == "timeout", err
     assert time.monotonic() - t0 < 2.0
 
@@ -238,7 +240,7 @@ def test_second_load_is_served_from_the_cache(sandbox, monkeypatch):
 
     monkeypatch.setattr(build_mod, "componentize", no_build)
     t0 = time.perf_counter()
-    again = Sandbox(timeout=30, memory_limit=MEMORY_LIMIT)
+    again = Sandbox(limits=LIMITS)
     assert again.from_cache and again.artifact.path == sandbox.artifact.path
     assert again.artifact.path.is_file() and again.artifact.path.parent == build_mod.cache_dir()
     print(f"\ncached load: {(time.perf_counter() - t0) * 1000:.1f} ms "
@@ -294,7 +296,7 @@ def test_build_bundle_with_helper_modules(tmp_path: Path, sandbox):
     assert art.missing == []
     assert art.path != sandbox.artifact.path
 
-    bsb = Sandbox(bundle, timeout=30, memory_limit=MEMORY_LIMIT)
+    bsb = Sandbox(bundle, limits=LIMITS)
     assert bsb.from_cache                                  # build_bundle above cached it
     out, api = run_ok(bsb, "", {"r": 0.5})                 # empty source: the bundled main.py
     assert out == {"hsv": [0.0, 1.0, 0.5], "sub": 16, "hosty": 5,

@@ -16,7 +16,7 @@ SPECS = [{"type": "function", "function": {
                    "required": ["a", "b"]}}}]
 
 
-def test_chat_pieces(served, sandbox):
+def test_chat_pieces(runtime):
     source = """
 from inferlet import chat
 async def main(input):
@@ -24,15 +24,15 @@ async def main(input):
             "thinking": chat.system_thinking("S", "high"), "on": chat.cue_thinking(True),
             "off": chat.cue_thinking(False), "seal": chat.seal(), "seal2": chat.seal()}
 """
-    out = run(served, sandbox, source)
-    chat = ChatTokens(served[0].tokenizer)
+    out = run(runtime, source)
+    chat = ChatTokens(runtime.engine.tokenizer)
     assert out == {"system_user": chat.system_user("S", "U"), "first_user": chat.first_user("Hi"),
                    "thinking": chat.system("S"), "on": chat.cue(), "off": chat.cue(),
                    "seal": chat.seal(), "seal2": chat.seal()}
-    assert served[0].tokenizer.decode(out["seal"]) == "<|im_end|>\n"
+    assert runtime.engine.tokenizer.decode(out["seal"]) == "<|im_end|>\n"
 
 
-def test_matcher_mask_accept_terminate(served, sandbox):
+def test_matcher_mask_accept_terminate(runtime):
     source = """
 from inferlet import model
 from inferlet.grammar import Grammar, Matcher
@@ -65,8 +65,8 @@ async def main(input):
     out["schema"] = s.accept_tokens(model.encode('{"n": "x"}'))
     return out
 """
-    out = run(served, sandbox, source)
-    stops = set(ChatTokens(served[0].tokenizer).stop_tokens())
+    out = run(runtime, source)
+    stops = set(ChatTokens(runtime.engine.tokenizer).stop_tokens())
     assert out["words"] == 49152 // 32 and out["yes"] and not out["maybe"] and out["count"] >= 2
     assert out["bad"] is False and out["same"] and out["good"] and out["fork_untouched"]
     assert not out["done_early"] and out["done"] and set(out["after"]) == stops
@@ -74,7 +74,7 @@ async def main(input):
     assert out["ebnf"] == [True, False, True, True] and out["json"] == [True, True] and out["schema"] is False
 
 
-def test_bad_grammars_and_specs_are_host_errors(served, sandbox):
+def test_bad_grammars_and_specs_are_host_errors(runtime):
     source = """
 from inferlet import HostError, model, tools
 from inferlet.grammar import Grammar, Matcher
@@ -94,7 +94,7 @@ async def main(input):
     errors["still_fine"] = Matcher(Grammar.from_regex("a")).accept_tokens(model.encode("a"))
     return errors
 """
-    out = run(served, sandbox, source)
+    out = run(runtime, source)
     assert out.pop("still_fine") is True
     want = {"schema": "invalid JSON schema", "schema_text": "not JSON", "regex": "invalid regex",
             "ebnf": "invalid EBNF grammar", "specs": "function name"}
@@ -104,7 +104,7 @@ async def main(input):
         assert not re.match(r"\w+Error:", message), out[name]     # no Python type name in front
 
 
-def test_greedy_with_a_grammar_fallback(served, sandbox):
+def test_greedy_with_a_grammar_fallback(runtime):
     """The argmax epilogue picks each token; where the grammar refuses it, the inferlet takes the
     first token the mask allows. The answer must be one of the enum's values."""
     source = """
@@ -134,12 +134,12 @@ async def main(input):
     pipe.close()
     return {"text": model.decode(out), "done": m.is_terminated(), "forced": forced}
 """
-    out = run(served, sandbox, source)
+    out = run(runtime, source)
     print(f"\nenum answer {out['text']!r}, {out['forced']} token(s) forced by the mask")
     assert out["done"] and json.loads(out["text"]) in ("Paris", "London", "Berlin"), out
 
 
-def test_tools_in_the_sandbox(served, sandbox):
+def test_tools_in_the_sandbox(runtime):
     source = """
 import json
 from inferlet import chat, model, tools
@@ -166,8 +166,8 @@ async def main(input):
     out["invalid"] = tools.create_matcher(specs).accept_tokens(model.encode(call.replace("add", "mul")))
     return out
 """
-    out = run(served, sandbox, source, {"specs": SPECS})
-    tok = served[0].tokenizer
+    out = run(runtime, source, {"specs": SPECS})
+    tok = runtime.engine.tokenizer
     chat = ChatTokens(tok)
     tools = ToolFormat(chat.source)
     assert out["equip"] == tools.equip(chat, SPECS, "Use tools.")
@@ -181,7 +181,7 @@ async def main(input):
     assert out["valid"] is True and out["invalid"] is False
 
 
-def test_reasoning_in_the_sandbox(served, sandbox):
+def test_reasoning_in_the_sandbox(runtime):
     source = """
 from inferlet import chat, model, reasoning
 
@@ -199,7 +199,7 @@ async def main(input):
     return {"stepwise": stepwise, "drained": [[type(e).__name__, getattr(e, "text", None)] for e in drained],
             "prefilled": [type(first).__name__, type(prefilled.feed([])).__name__]}
 """
-    out = run(served, sandbox, source)
+    out = run(runtime, source)
     kinds = [k for k, _ in out["stepwise"]]
     assert kinds[kinds.index("Start") + 1:kinds.index("End")].count("Delta") >= 1
     deltas = "".join(text for k, text in out["stepwise"] if k == "Delta")
@@ -209,7 +209,7 @@ async def main(input):
     assert out["prefilled"] == ["Start", "Delta"]
 
 
-def test_bad_token_ids_from_the_guest(served, sandbox):
+def test_bad_token_ids_from_the_guest(runtime):
     """Ids outside the vocabulary: a matcher refuses them, a decoder says so, and both go on."""
     source = """
 from inferlet import HostError, model, reasoning, tools
@@ -234,7 +234,7 @@ async def main(input):
     out["after"] = [type(decoder.feed(call)).__name__, type(decoder.feed([])).__name__]
     return out
 """
-    out = run(served, sandbox, source)
+    out = run(runtime, source)
     assert out["refused"] == [False, False] and out["then"] is True
     assert "tools.feed: token id -1 out of range" in out["tools"]
     assert "reasoning.feed: token id -1 out of range" in out["reasoning"]

@@ -1,137 +1,91 @@
 """InferletActor: a Ray actor that runs inferlets in its WebAssembly sandbox, one at a time.
 
-The actor deserializes the compiled runner once when it starts; each run gets a fresh Store. Its
-`run` method is a Ray streaming generator: it yields each `session.send` message (and each
-`session.send_file` blob) as the inferlet produces it and ends with the result, so a client reads
-the stream with `for ref in actor.run.remote(...): ray.get(ref)`. Forward passes go straight from
-the actor to the engine over its socket (inferlet/runtime.py), never through Ray. torch is never
-imported here.
+The actor loads the runner component once when it starts; each run gets a fresh Store. Its `run`
+method is a Ray streaming generator of the run's events (pie_actors.process): Send and File while
+the inferlet runs, then Done or Failed, so a client reads it with `async for ref in
+actor.run.remote(...)`. Forward passes go straight from the actor to the engine over its socket
+(inferlet/run.py), never through Ray. torch is never imported here.
 
-While a run streams, `deliver` (a message for its `session.receive`) and `cancel` are served
-concurrently (the actor has a few threads). A run started by the Controller under a process name
-hands itself back to the Controller when it ends, however it ends.
+While a run streams, `deliver`, `deliver_file` and `cancel` are served concurrently (the actor has a
+few threads); each names the process it is meant for, so a late call never reaches the actor's next
+run. A run started by the Controller under a process name hands the actor back when it ends.
 """
 from __future__ import annotations
 
-import hashlib
 import queue
 import threading
 from functools import partial
-from pathlib import Path
 from typing import Any, Iterator
 
-from .build import cache_dir
-from .host import HostOpError, InferletError, Sandbox
-from .run import InferletHost, default_sandbox, run_inferlet
-
-_DONE = object()
-MAX_BUNDLES = 4          # bundle sandboxes kept loaded per actor
-
-
-def bundle_files(folder: str | Path) -> dict[str, str]:
-    """A bundle folder's Python files (relative path -> text), to ship to an actor."""
-    folder = Path(folder)
-    return {str(p.relative_to(folder)): p.read_text(encoding="utf-8") for p in sorted(folder.rglob("*.py"))}
+from ..config import RunLimits
+from ..process import Done, Event, Failed
+from ..program import Program
+from .host import HostOpError
+from .run import Run, sandbox_for
 
 
 class InferletActor:
     """Plain class; the Ray actor is `inferlet_actor()` (see there)."""
 
     def __init__(self) -> None:
-        self.sandbox = default_sandbox()
-        self._bundles: dict[str, Sandbox] = {}
+        sandbox_for(Program())             # the runner component, loaded before the first launch
         self._lock = threading.Lock()
         self._process: str | None = None   # the process name of the run in progress
-        self._current: tuple[Sandbox, InferletHost] | None = None
-        self._early: list[Any] = []        # messages that arrived before the run's host existed
+        self._run: Run | None = None
 
     def ready(self) -> bool:
         """For warm pools: returns once the sandbox is loaded."""
         return True
 
-    def _sandbox_for(self, bundle: dict[str, str] | None) -> Sandbox:
-        """The shared runner, or the component of a bundle (unpacked under the cache, built once)."""
-        if not bundle:
-            return self.sandbox
-        key = hashlib.blake2b(repr(sorted(bundle.items())).encode(), digest_size=16).hexdigest()
-        if key not in self._bundles:
-            folder = cache_dir() / "bundles" / key
-            for rel, text in bundle.items():
-                path = folder / rel
-                if folder not in path.resolve().parents:
-                    raise ValueError(f"bundle path {rel!r} leaves the bundle")
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(text, encoding="utf-8")
-            if len(self._bundles) >= MAX_BUNDLES:
-                self._bundles.pop(next(iter(self._bundles)))
-            self._bundles[key] = Sandbox(bundle=folder)
-        return self._bundles[key]
-
-    def run(self, source: str, input: Any, engine_address: tuple[str, int], timeout: float = 300.0, *,
-            files: dict[str, bytes] | None = None, bundle: dict[str, str] | None = None,
-            process: str | None = None, controller: Any = None) -> Iterator[dict]:
-        """Yields {"send": text} and {"file": bytes} items while the inferlet runs, then
-        {"result": output}, or {"error": {"kind", "message", "traceback"}} when it fails (the
-        actor stays usable). `bundle`: the files of a bundle (see `bundle_files`), whose main.py
-        runs instead of `source`. With a `controller`, the run is the named `process`:
-        `session.send_to` reaches other processes, and the actor hands itself back at the end."""
-        events: queue.Queue = queue.Queue()
+    def run(self, program: Program, input: Any, engine_address: tuple[str, int], limits: RunLimits, *,
+            files: dict[str, bytes] | None = None, process: str | None = None,
+            controller: Any = None) -> Iterator[Event]:
+        """The events of one run of `program`, ending with its Done or Failed (the actor stays
+        usable). With a `controller`, the run is the named `process`: `session.send_to` reaches
+        other processes, and the actor hands itself back to the Controller at the end."""
+        events: queue.Queue[Event] = queue.Queue()
         send_to = None if controller is None else partial(_send_to, controller, process)
-
-        def started(host: InferletHost) -> None:
-            with self._lock:
-                self._current = (sandbox, host)
-                for message in self._early:
-                    host.deliver(message)
-                self._early.clear()
-
-        def work() -> None:
-            try:
-                output = run_inferlet(source, input, tuple(engine_address), timeout=timeout, sandbox=sandbox,
-                                      on_send=lambda text: events.put({"send": text}),
-                                      on_send_file=lambda data: events.put({"file": data}),
-                                      files=files, send_to=send_to, on_start=started)
-                events.put({"result": output})
-            except InferletError as e:
-                events.put({"error": {"kind": e.kind, "message": e.message, "traceback": e.guest_traceback}})
-            finally:
-                with self._lock:
-                    self._current = None
-                    self._early.clear()
-                events.put(_DONE)
-
+        run = Run(program, input, engine_address, limits, events.put, files=files, send_to=send_to)
         with self._lock:
-            self._process = process
+            self._process, self._run = process, run
         try:
-            sandbox = self._sandbox_for(bundle)
-            threading.Thread(target=work, name="inferlet", daemon=True).start()
-            while (event := events.get()) is not _DONE:
+            run.start()
+            while True:
+                event = events.get()
                 yield event
-        except Exception as e:            # a bundle that does not build, say
-            yield {"error": {"kind": "trap", "message": f"{type(e).__name__}: {e}", "traceback": ""}}
+                if isinstance(event, (Done, Failed)):
+                    return
         finally:
             with self._lock:
-                self._process = None
+                self._process = self._run = None
             if controller is not None:
                 controller.finished.remote(process)
 
-    def deliver(self, message: Any, process: str | None = None) -> bool:
-        """A message for the running inferlet's `session.receive` (held until its host exists).
-        False when no run of `process` is in progress here (it ended: the message is dropped)."""
+    def _current(self, process: str | None) -> Run | None:
         with self._lock:
-            if process is None or process != self._process:
-                return False
-            if self._current is None:
-                self._early.append(message)
-            else:
-                self._current[1].deliver(message)
-            return True
+            return self._run if process == self._process else None
 
-    def cancel(self, reason: str = "cancelled by the client") -> bool:
-        """Stop the running inferlet at its next host call; its pages return. False: none runs."""
-        with self._lock:
-            current = self._current
-        return current is not None and current[0].cancel(current[1], reason)
+    def deliver(self, message: Any, process: str | None = None) -> bool:
+        """A message for the running inferlet's `session.receive`. False when no run of `process`
+        is in progress here (it ended: the message is dropped)."""
+        run = self._current(process)
+        if run is not None:
+            run.deliver(message)
+        return run is not None
+
+    def deliver_file(self, data: bytes, process: str | None = None) -> bool:
+        """Data for the running inferlet's `session.receive_file` (False: no such run here)."""
+        run = self._current(process)
+        if run is not None:
+            run.deliver_file(data)
+        return run is not None
+
+    def cancel(self, process: str | None = None, reason: str = "cancelled by the client") -> bool:
+        """Stop the run of `process` at its next host call; its pages return. False: none runs."""
+        run = self._current(process)
+        if run is not None:
+            run.cancel(reason)
+        return run is not None
 
 
 def _send_to(controller: Any, sender: str, name: str, message: Any) -> None:

@@ -40,6 +40,7 @@ import time
 from collections import deque
 from typing import Any, Callable
 
+from ..config import RunLimits
 from .build import Artifact, build_bundle, ensure_runner, new_engine
 
 __all__ = ["Sandbox", "HostApi", "HostOpError", "FutureTable", "Inbox", "InferletError"]
@@ -58,7 +59,7 @@ class InferletError(Exception):
 
     kind: "exception" (the inferlet raised), "timeout" (wall-clock deadline), "memory"
     (memory limit), "trap" (the WebAssembly instance trapped, or a host import failed), or
-    "cancelled" (stopped from outside: `Sandbox.cancel`).
+    "cancelled" (stopped from outside: `HostApi.cancel`).
     """
 
     KINDS = ("exception", "timeout", "memory", "trap", "cancelled")
@@ -236,6 +237,13 @@ class HostApi:
 
     def __init__(self) -> None:
         self.futures = FutureTable()
+        self.cancelled: str | None = None      # why the run was cancelled from outside
+
+    def cancel(self, reason: str) -> None:
+        """End the run (from any thread, also before it starts) at its next host call or wait; a
+        guest computing without calling the host is stopped by its deadline."""
+        self.cancelled = reason
+        self.futures.interrupt()
 
     def call(self, op: str, args: Any) -> Any:
         raise HostOpError(f"unknown host operation {op!r}")
@@ -312,15 +320,7 @@ class _Run:
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout
         self.failure: InferletError | None = None
-        self.cancelled: str | None = None         # why the run was cancelled from outside
         self.stderr_tail = ""                     # the guest's last stderr output, for trap reports
-
-    def cancel(self, reason: str) -> None:
-        """End the run at its next host call or wait (a guest computing without calling the
-        host is stopped by its deadline)."""
-        self.cancelled = reason
-        self.deadline = time.monotonic()
-        self.api.futures.interrupt()
 
     def output(self, stream: str, data: bytes) -> None:
         if stream == "stderr":
@@ -333,7 +333,7 @@ class _Run:
 def _call(run: _Run, op: str, args: str):
     from wasmtime.component import Variant
 
-    if run.cancelled is not None:
+    if run.api.cancelled is not None:
         raise _Deadline()
     try:
         result = run.api.call(op, json.loads(args))
@@ -347,16 +347,18 @@ def _call(run: _Run, op: str, args: str):
 
 
 def _poll(run: _Run, ids: str) -> str:
+    if run.api.cancelled is not None:
+        raise _Deadline()
     return _dumps({str(k): v for k, v in run.api.futures.poll(json.loads(ids)).items()})
 
 
 def _wait_any(run: _Run, ids: str, timeout_ms: int) -> str:
     left = run.deadline - time.monotonic()
-    if left <= 0:
+    if left <= 0 or run.api.cancelled is not None:
         raise _Deadline()
     wait = left if timeout_ms == NO_TIMEOUT_MS else min(left, timeout_ms / 1000)
     done = run.api.futures.wait_any(json.loads(ids), wait)
-    if not done and time.monotonic() >= run.deadline:
+    if run.api.cancelled is not None or (not done and time.monotonic() >= run.deadline):
         raise _Deadline()
     return _dumps({str(k): v for k, v in done.items()})
 
@@ -368,20 +370,18 @@ def _send(run: _Run, msg: str) -> None:
 class Sandbox:
     """Runs inferlets in fresh instances of one compiled component.
 
-    `bundle`: a bundle folder (see build.build_bundle); None for the shared runner.
-    `timeout` (seconds) and `memory_limit` (bytes of guest linear memory) are defaults that
-    each run may override. Runs may happen concurrently on different threads.
+    `bundle`: a bundle folder (see build.build_bundle); None for the shared runner. `limits`
+    (timeout_s, memory_mb of guest linear memory) are defaults that each run may override. Runs
+    may happen concurrently on different threads.
     """
 
-    def __init__(self, bundle=None, *, timeout: float = 300.0, memory_limit: int = 512 << 20,
-                 engine=None):
+    def __init__(self, bundle=None, *, limits: RunLimits | None = None, engine=None):
         import wasmtime
         from wasmtime.component import Component, Linker
 
         self._wasmtime = wasmtime
         self.engine = engine or new_engine()
-        self.timeout = timeout
-        self.memory_limit = memory_limit
+        self.limits = limits or RunLimits()
         self.artifact: Artifact = (build_bundle(bundle, self.engine) if bundle is not None
                                    else ensure_runner(self.engine))
         t0 = time.perf_counter()
@@ -389,7 +389,6 @@ class Sandbox:
         self.deserialize_s = time.perf_counter() - t0
         self._ticker = _EpochTicker.of(self.engine)
         self._tls = threading.local()
-        self._runs: dict[int, _Run] = {}           # id(api) -> its run in progress
         self.linker = Linker(self.engine)
         self.linker.add_wasip2()
         with self.linker.root() as root:
@@ -420,7 +419,7 @@ class Sandbox:
             try:
                 return fn(run, *args)
             except _Deadline:
-                run.failure = (InferletError("cancelled", run.cancelled) if run.cancelled is not None
+                run.failure = (InferletError("cancelled", run.api.cancelled) if run.api.cancelled is not None
                                else InferletError("timeout", f"deadline of {run.timeout:.3g} s "
                                                              "passed while waiting on the host"))
             except InferletError as e:
@@ -435,8 +434,7 @@ class Sandbox:
     # -- running --------------------------------------------------------------------------------
 
     def run(self, source: str, input: Any = None, api: HostApi | None = None, *,
-            timeout: float | None = None, memory_limit: int | None = None,
-            stats: dict | None = None) -> Any:
+            limits: RunLimits | None = None, stats: dict | None = None) -> Any:
         """Run an inferlet: `source` is its main module (empty: a bundle's main.py), `input`
         the JSON-able value given to `main`. Returns main's result; raises InferletError.
         `stats`, when given, receives timings: instantiate_s, run_s."""
@@ -444,14 +442,13 @@ class Sandbox:
 
         wasmtime = self._wasmtime
         api = api if api is not None else HostApi()
-        timeout = self.timeout if timeout is None else timeout
-        memory_limit = self.memory_limit if memory_limit is None else memory_limit
+        limits = limits or self.limits
+        timeout, memory_limit = limits.timeout_s, limits.memory_mb << 20
         run = _Run(api, timeout)
         error: InferletError | None = None
         store = None
         self._ticker.acquire()
         self._tls.run = run
-        self._runs[id(api)] = run
         try:
             t0 = time.perf_counter()
             store = wasmtime.Store(self.engine)
@@ -464,7 +461,7 @@ class Sandbox:
             try:
                 instance = self.linker.instantiate(store, self.component)
             except wasmtime.WasmtimeError as e:
-                raise InferletError("memory" if memory_limit >= 0 and "memory" in str(e) else "trap",
+                raise InferletError("memory" if "memory" in str(e) else "trap",
                                     f"could not instantiate the inferlet component: {e}") from None
             func = instance.get_func(store, "run")
             t1 = time.perf_counter()
@@ -492,21 +489,12 @@ class Sandbox:
             raise
         finally:
             self._tls.run = None
-            self._runs.pop(id(api), None)
             self._ticker.release()
             del store  # the instance and its memory go with the store
             try:
                 api.on_exit(error)
             except Exception:
                 log.exception("HostApi.on_exit failed")
-
-    def cancel(self, api: HostApi, reason: str = "cancelled") -> bool:
-        """Cancel the run in progress with `api` (from any thread); False if there is none."""
-        run = self._runs.get(id(api))
-        if run is None:
-            return False
-        run.cancel(reason)
-        return True
 
     def _classify_trap(self, run: _Run, e: Exception, timeout: float) -> InferletError:
         if run.failure is not None:                 # a host import ended the run

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 from typing import Any, Callable
 
+from ..process import File
 from .host import HostOpError, Inbox
 
 __all__ = ["SessionOps"]
@@ -38,10 +39,8 @@ class SessionOps:
     }
 
     def _init_session(self, files: dict[str, bytes] | None,
-                      on_send_file: Callable[[bytes], None] | None,
                       send_to: Callable[[str, Any], None] | None) -> None:
         self.files = dict(files or {})
-        self.on_send_file = on_send_file
         self.send_to = send_to
         self.inbox = Inbox(self.futures)
         self.file_inbox = Inbox(self.futures)
@@ -62,8 +61,7 @@ class SessionOps:
 
     def _session_send_file(self, data) -> None:
         blob = _unb64(data, "session.send_file")
-        if self.on_send_file is not None:
-            self.on_send_file(blob)
+        self.emit(File(blob))
 
     def _session_file(self, name) -> str:
         if name not in self.files:

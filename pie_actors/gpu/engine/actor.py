@@ -4,28 +4,20 @@ Ray calls only start it and ask for its address and stats; passes go over the da
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from ...config import EngineConfig
 from . import wire
 from .data_plane import serve_model
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 class EngineActor:
-    """An engine and its server inside a Ray actor; decorate at use: `ray.remote(num_cpus=0)(EngineActor)`.
+    """An engine and its server inside a Ray actor (see `start_engine_actor`). `host` is the
+    interface to listen on; "0.0.0.0" advertises the node's IP address."""
 
-    Ray calls only start it and ask for its address and stats; passes go over the socket.
-    `host` is the interface to listen on; "0.0.0.0" advertises the node's IP address.
-    """
-
-    def __init__(self, model: str = "", host: str = "0.0.0.0", port: int = 0, **engine_kwargs: Any):
-        # Ray sets OMP_NUM_THREADS=1 in actors; the engine should use the node's cores.
-        engine_kwargs.setdefault("num_threads", _cores())
-        self.server, (self.host, self.port) = serve_model(model, host, port, **engine_kwargs)
+    def __init__(self, config: EngineConfig, host: str = "0.0.0.0", port: int = 0):
+        self.config = config
+        self.server, (self.host, self.port) = serve_model(config, host, port)
         self.engine = self.server.engine
         if self.host in ("0.0.0.0", "::", ""):
             import ray
@@ -33,6 +25,9 @@ class EngineActor:
 
     def address(self) -> tuple[str, int]:
         return self.host, self.port
+
+    def info(self) -> wire.Info:
+        return self.server.info
 
     def stats(self) -> wire.Stats:
         return self.server.stats()
@@ -42,8 +37,8 @@ class EngineActor:
         self.engine.close()
 
 
-def start_engine_actor(model: str = "", *, name: str | None = None, detached: bool = False,
-                       host: str = "0.0.0.0", port: int = 0, **engine_kwargs: Any) -> tuple[Any, tuple[str, int]]:
+def start_engine_actor(config: EngineConfig, *, name: str | None = None, detached: bool = False,
+                       host: str = "0.0.0.0", port: int = 0) -> tuple[Any, tuple[str, int]]:
     """Start an `EngineActor` (named `name` when given; outliving its driver when `detached`) and
     wait until it serves. Returns (actor handle, (host, port))."""
     import ray
@@ -51,5 +46,5 @@ def start_engine_actor(model: str = "", *, name: str | None = None, detached: bo
     options: dict[str, Any] = {"num_cpus": 0, "name": name}
     if detached:
         options["lifetime"] = "detached"
-    actor = ray.remote(EngineActor).options(**options).remote(model, host, port, **engine_kwargs)
+    actor = ray.remote(EngineActor).options(**options).remote(config, host, port)
     return actor, tuple(ray.get(actor.address.remote()))

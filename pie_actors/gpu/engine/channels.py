@@ -21,13 +21,13 @@ from typing import Any, Callable
 
 import torch
 
+from ...config import EngineConfig
 from ..eta import DTYPES
 
 __all__ = ["ChannelError", "ChannelStore", "MAX_CAPACITY", "MAX_ELEMENTS"]
 
 MAX_CAPACITY = 4096          # values a channel may buffer
 MAX_ELEMENTS = 1 << 20       # elements of one channel value (a vocabulary mask fits)
-MEMORY_BUDGET = 256 << 20    # bytes all channels may hold when full (capacity x value size)
 
 Sink = Callable[[int, "list | None", "str | None"], None]   # (channel, value as a list, poison message)
 
@@ -51,7 +51,8 @@ class ChannelStore:
     """All channels of an engine; thread-safe (the engine thread runs epilogues, the server's loop
     serves host requests)."""
 
-    def __init__(self, device: torch.device | str = "cpu", memory_budget: int = MEMORY_BUDGET) -> None:
+    def __init__(self, device: torch.device | str = "cpu",
+                 memory_budget: int = EngineConfig.channel_memory_mb << 20) -> None:
         self.device = torch.device(device)
         self.memory_budget = memory_budget
         self.reserved = 0                       # bytes of the budget the live channels hold

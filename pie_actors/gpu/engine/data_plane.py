@@ -15,11 +15,10 @@ import logging
 import threading
 from concurrent.futures import Future
 from functools import partial
-from pathlib import Path
 from typing import Any, Callable
 
 from . import wire
-from ...config import load_config
+from ...config import EngineConfig
 from ...kvstore import KVStoreError, UnknownSequence
 from ..model.adapters import parse_site
 from .channels import ChannelError
@@ -31,7 +30,6 @@ from ..eta import EtaError, Program
 log = logging.getLogger(__name__)
 
 _HIGH_WATER = 1 << 20   # unsent response bytes above which a connection stops reading requests
-MAX_PROGRAMS = 4096     # eta programs one connection may register
 
 
 class BadRequest(ValueError):
@@ -100,15 +98,17 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 class EngineServer:
     """Serves a started `Engine` (`engine.start()`) on a TCP port from its own event-loop thread."""
 
-    def __init__(self, engine: Engine, model_name: str = "", model_dir: str | Path = ""):
+    def __init__(self, engine: Engine):
         self.engine = engine
         cfg = engine.cfg
         self.info: wire.Info = {
-            "model": model_name, "model_dir": str(model_dir), "architecture": cfg.architecture,
+            "model": engine.model_name, "model_dir": str(engine.model_dir), "architecture": cfg.architecture,
+            "dtype": str(engine.worker.dtype).removeprefix("torch."), "device": str(engine.worker.device),
             "vocab_size": cfg.vocab_size, "page_size": engine.kv.page_size,
             "max_position": cfg.max_position_embeddings,
             "eos_ids": list(engine.tokenizer.eos_ids if engine.tokenizer else cfg.eos_token_ids)}
         self.address: tuple[str, int] | None = None
+        self.requests = 0                          # frames received, all connections together
         self._connections: set[_Connection] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -136,7 +136,7 @@ class EngineServer:
         programs = self.engine.programs
         return {"batch_sizes": dict(self.engine.batch_sizes), "kv": kv,
                 "programs": {"compiled": programs.misses, "cache_hits": programs.hits},
-                "channels": len(self.engine.channels),
+                "channels": len(self.engine.channels), "requests": self.requests,
                 "connections": len(self._connections),
                 "sequences": sum(len(c.owned) for c in list(self._connections))}
 
@@ -170,6 +170,7 @@ class EngineServer:
                 except wire.FrameTooLarge as e:
                     conn.send(wire.error(None, "BadFrame", str(e)))
                     return
+                self.requests += 1
                 conn.handle(body)
                 if writer.transport.get_write_buffer_size() > _HIGH_WATER:
                     try:
@@ -345,8 +346,9 @@ class _Connection:
         ir = msg["ir"]
         if not isinstance(ir, str):
             raise BadRequest("program: 'ir' is the JSON text of an eta program")
-        if len(self.programs) >= MAX_PROGRAMS:
-            raise BadRequest(f"a connection may register at most {MAX_PROGRAMS} programs (trace an "
+        limit = self.engine.config.max_programs
+        if len(self.programs) >= limit:
+            raise BadRequest(f"a connection may register at most {limit} programs (trace an "
                              "epilogue once and reuse it; values that change go through channels)")
         self.programs.append(self.engine.programs.get(ir, self.engine.worker.device))
         return len(self.programs) - 1
@@ -436,16 +438,9 @@ class _Connection:
         self.owned.clear()
 
 
-def serve_model(model: str = "", host: str = "127.0.0.1", port: int = 0,
-                **engine_kwargs: Any) -> tuple[EngineServer, tuple[str, int]]:
-    """Build the engine for `model` (a store name or folder; default: the configured model), start
-    its batching loop and serve it. Returns the server and its address; stop with
-    `server.close(); server.engine.close()`."""
-    from ...model_store import resolve_model
-
-    model = model or load_config()["model"]
-    model_dir = resolve_model(model)
-    engine = Engine.from_model(str(model_dir), **engine_kwargs).start()
-    name = model_dir.name if Path(model).expanduser().exists() else model
-    server = EngineServer(engine, name, model_dir)
+def serve_model(config: EngineConfig, host: str = "127.0.0.1", port: int = 0
+                ) -> tuple[EngineServer, tuple[str, int]]:
+    """Build the engine `config` describes, start its batching loop and serve it. Returns the server
+    and its address; stop with `server.close(); server.engine.close()`."""
+    server = EngineServer(Engine.from_config(config).start())
     return server, server.start(host, port)

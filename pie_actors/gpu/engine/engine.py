@@ -12,11 +12,12 @@ import socket
 import threading
 from collections import Counter
 from concurrent.futures import Future
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
-from ...config import load_config, pick_device, pick_dtype
+from ...config import EngineConfig, load, pick_device, pick_dtype
 from ...kvstore import KVStore
 from ...model_store import resolve_model
 from ...tokenizer import Tokenizer
@@ -34,65 +35,53 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _check_tp(cfg, tp: int) -> None:
-    """Fail before any rank starts: a shape that does not split would fail on every rank at once."""
-    for what, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
-                    ("intermediate size", cfg.intermediate_size), ("vocabulary size", cfg.vocab_size)):
-        if n % tp:
-            raise ValueError(f"tensor-parallel size {tp} does not divide the model's {what} ({n})")
-
-
 class Engine:
-    def __init__(self, worker: Worker, kv: KVStore, tokenizer: Tokenizer | None = None,
-                 max_batch_tokens: int = 4096, remote: list | None = None):
-        self.worker, self.kv, self.tokenizer = worker, kv, tokenizer
-        self.cfg = worker.cfg
-        self.max_batch_tokens = max_batch_tokens
+    def __init__(self, worker: Worker, kv: KVStore, config: EngineConfig, tokenizer: Tokenizer | None = None,
+                 remote: list | None = None):
+        self.worker, self.kv, self.config, self.tokenizer = worker, kv, config, tokenizer
+        self.cfg = worker.cfg                        # the model's hyper-parameters
+        self.model_dir = worker.model_dir
+        # the store name; a model given as a folder or file is known by its folder's name
+        self.model_name = self.model_dir.name if Path(config.model).expanduser().exists() else config.model
         self.batch_sizes: Counter[int] = Counter()   # lanes per executed batch
         self._remote = remote
-        self.channels = ChannelStore(worker.device)
+        self.channels = ChannelStore(worker.device, config.channel_memory_mb << 20)
         self.programs = ProgramCache()               # compiled eta programs, by IR hash
-        self.scheduler = Scheduler(kv, self.channels, self.cfg, max_batch_tokens, tensor_parallel=bool(remote))
+        self.scheduler = Scheduler(kv, self.channels, self.cfg, config.max_batch_tokens,
+                                   tensor_parallel=bool(remote))
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
 
     @classmethod
-    def from_model(cls, model: str = "", *, device: str | None = None, dtype: str | None = None,
-                   page_size: int | None = None, kv_memory_mb: int | None = None, num_pages: int | None = None,
-                   max_batch_tokens: int | None = None, tp: int | None = None,
-                   num_threads: int | None = None, compile: bool | None = None) -> "Engine":
-        """Build an engine from a model store name or folder; unset options come from the config file.
+    def from_model(cls, model: str = "", **settings: Any) -> Engine:
+        """An engine for a model store name or folder (default: the configured model); `settings`
+        override the config file's engine settings by name (`dtype="float32"`, `num_pages=256`)."""
+        return cls.from_config(load(model=model or None, **settings).engine)
 
-        The KV pool is `num_pages` pages, or as many as fit in `kv_memory_mb` per rank.
-        """
-        conf = load_config()
-        model_dir = resolve_model(model or conf["model"])
-        dev = pick_device(device or conf["device"])
-        dt = pick_dtype(dtype or conf["dtype"], dev)
-        page_size = page_size or conf["page_size"]
-        tp = tp or conf["tp"]
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        """Build the engine `config` describes. The KV pool is `num_pages` pages, or as many as fit
+        in `kv_memory_mb` per rank."""
+        model_dir = resolve_model(config.model)
+        dev = pick_device(config.device)
+        dt = pick_dtype(config.dtype, dev)
         # A folder without a tokenizer still serves passes of token ids.
         tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         cfg = load_checkpoint(model_dir).config
-        if num_pages is None:
-            budget = (kv_memory_mb or conf["kv_memory_mb"]) * 2**20
-            num_pages = max(1, budget // kv_bytes_per_page(cfg, page_size, dt, tp))
+        config.check_model(cfg)
+        num_pages = config.num_pages or max(
+            1, (config.kv_memory_mb << 20) // kv_bytes_per_page(cfg, config.page_size, dt, config.tp))
         comm, remote = Comm(), None
-        if tp > 1:
-            _check_tp(cfg, tp)
+        if config.tp > 1:
             import ray
             if not ray.is_initialized():
                 ray.init()                # joins the running cluster if there is one
             init = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
-            remote = start_remote_ranks(str(model_dir), dev, dt, num_pages, page_size, tp, init, num_threads)
-            comm = TorchDistComm(0, tp, init, dev)
-        # Compiled decode graphs would need traceable collectives; tensor-parallel ranks run eager.
-        compile = (conf["compile"] if compile is None else compile) and tp == 1
-        worker = Worker(model_dir, device=dev, dtype=dt, num_pages=num_pages, page_size=page_size,
-                        comm=comm, num_threads=num_threads, compile=compile)
-        return cls(worker, KVStore(num_pages, page_size), tokenizer,
-                   max_batch_tokens or conf["max_batch_tokens"], remote)
+            remote = start_remote_ranks(config, str(model_dir), dev, dt, num_pages, init)
+            comm = TorchDistComm(0, config.tp, init, dev)
+        worker = Worker(model_dir, config, device=dev, dtype=dt, num_pages=num_pages, comm=comm)
+        return cls(worker, KVStore(num_pages, config.page_size), config, tokenizer, remote)
 
     # ---- sequences ---------------------------------------------------------------------------
     def create_sequence(self) -> int:
@@ -261,9 +250,9 @@ class Engine:
         """`live` split into passes of many lanes (one epilogue call for them all, not one per lane),
         each within the batch token budget, so that long prompts still prefill over several batches."""
         groups: list[list[int]] = []
-        used = self.max_batch_tokens
+        used = budget = self.config.max_batch_tokens
         for i in live:
-            if used + len(inputs[i]) > self.max_batch_tokens:
+            if used + len(inputs[i]) > budget:
                 groups.append([])
                 used = 0
             groups[-1].append(i)

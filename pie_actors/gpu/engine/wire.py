@@ -79,6 +79,8 @@ class Info(TypedDict):
     model: str
     model_dir: str            # valid on the engine's node only
     architecture: str
+    dtype: str                # what the engine runs in ("float32", "bfloat16", ...)
+    device: str
     vocab_size: int           # rows of the output logits
     page_size: int
     max_position: int
@@ -95,6 +97,7 @@ class Stats(TypedDict):
     batch_sizes: dict[int, int]   # lanes per batch -> batches run
     kv: dict[str, int]            # total, free, referenced, cached pages
     connections: int
+    requests: int                 # frames the data plane received, all connections together
     sequences: int                # owned by open connections
     channels: int
     programs: dict[str, int]      # compiled, cache_hits

@@ -6,17 +6,20 @@ its shard and the row-parallel layers all-reduce. Ranks 1..tp-1 are `WorkerActor
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 
+from ...config import EngineConfig
 from ..kernels import cpu_kernels, hugepages
-from ..model.adapters import AdapterUse
 from ..kernels.attention import AttentionMetadata, LanePlan
 from ..kernels.compiled_decode import CompiledDecode
-from ..model.loader import load_checkpoint
 from ..model import ModelConfig, build_model
+from ..model.adapters import AdapterUse
+from ..model.loader import load_checkpoint
 from ..model.tp import Comm, TorchDistComm
 
 
@@ -40,13 +43,13 @@ def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype, tp: 
 class Worker:
     """One rank: the model shard plus per-layer K and V caches of shape [kv_heads, num_pages * page_size, head_dim]."""
 
-    def __init__(self, model_dir: str | Path, *, device: torch.device, dtype: torch.dtype,
-                 num_pages: int, page_size: int, comm: Comm | None = None, num_threads: int | None = None,
-                 compile: bool = False):
-        if num_threads and device.type == "cpu":
-            torch.set_num_threads(num_threads)   # Ray sets OMP_NUM_THREADS=1 inside actors
+    def __init__(self, model_dir: str | Path, config: EngineConfig, *, device: torch.device,
+                 dtype: torch.dtype, num_pages: int, comm: Comm | None = None):
+        if device.type == "cpu":   # Ray sets OMP_NUM_THREADS=1 inside actors: say how many we use
+            torch.set_num_threads(config.num_threads or _cores())
         self.comm = comm or Comm()
-        self.device, self.dtype, self.page_size = device, dtype, page_size
+        self.device, self.dtype, self.page_size = device, dtype, config.page_size
+        self.model_dir = Path(model_dir)
         ckpt = load_checkpoint(model_dir)
         self.cfg = ckpt.config
         previous = torch.get_default_dtype()
@@ -58,19 +61,23 @@ class Worker:
             torch.set_default_dtype(previous)
         self.model.load_weights(ckpt.weights())
         self.model.eval()
-        hugepages.advise(self.model.parameters())   # every decode step streams them all
+        use_hugepages = config.hugepages and device.type == "cpu"
+        if use_hugepages:
+            hugepages.advise(self.model.parameters())   # every decode step streams them all
+        zeros = partial(hugepages.zeros if use_hugepages else torch.zeros, device=device)
         heads = self.cfg.num_kv_heads // self.comm.world_size
         # One page past the pool: a scratch page for the padding rows of compiled decode batches.
-        shape = (heads, (num_pages + 1) * page_size, self.cfg.head_dim)
-        self.kv_caches = [(hugepages.zeros(shape, dtype, device), hugepages.zeros(shape, dtype, device))
-                          for _ in range(self.cfg.num_layers)]
+        shape = (heads, (num_pages + 1) * self.page_size, self.cfg.head_dim)
+        self.kv_caches = [(zeros(shape, dtype=dtype), zeros(shape, dtype=dtype)) for _ in range(self.cfg.num_layers)]
         # decode attention: the C++ kernel on the CPU where it builds (cpu_kernels.py)
         use_kernel = (device.type == "cpu" and self.cfg.head_dim in cpu_kernels.HEAD_DIMS
                       and cpu_kernels.load())
         self.decode_form = "kernel" if use_kernel else "matmul"
-        self.compiled = (CompiledDecode(self.model, self.kv_caches, page_size, num_pages,
-                                        batch_form="kernel" if use_kernel else "fused_scores")
-                         if compile else None)
+        # Compiled decode graphs would need traceable collectives; tensor-parallel ranks run eager.
+        self.compiled = (CompiledDecode(self.model, self.kv_caches, self.page_size, num_pages,
+                                        batch_form="kernel" if use_kernel else "fused_scores",
+                                        hugepages=use_hugepages, amx_gemm_edits=config.amx_gemm_edits)
+                         if config.compile and self.comm.world_size == 1 else None)
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> torch.Tensor:
@@ -109,21 +116,21 @@ class Worker:
 class WorkerActor:
     """Ray actor body for ranks 1..tp-1 (see `start_remote_ranks`)."""
 
-    def __init__(self, model_dir: str, device: str, dtype: str, num_pages: int, page_size: int,
-                 rank: int, world_size: int, init_method: str, num_threads: int | None):
-        self.args = (model_dir, torch.device(device), getattr(torch, dtype), num_pages, page_size,
-                     rank, world_size, init_method, num_threads)
+    def __init__(self, config: EngineConfig, model_dir: str, device: str, dtype: str, num_pages: int,
+                 rank: int, init_method: str):
+        self.config, self.model_dir, self.num_pages = config, model_dir, num_pages
+        self.device, self.dtype = torch.device(device), getattr(torch, dtype)
+        self.rank, self.init_method = rank, init_method
 
     def serve(self) -> None:
         # The process group is joined here, not in __init__, because joining blocks until rank 0 joins too.
-        model_dir, device, dtype, num_pages, page_size, rank, world, init, threads = self.args
-        comm = TorchDistComm(rank, world, init, device)
-        Worker(model_dir, device=device, dtype=dtype, num_pages=num_pages, page_size=page_size,
-               comm=comm, num_threads=threads).serve()
+        comm = TorchDistComm(self.rank, self.config.tp, self.init_method, self.device)
+        Worker(self.model_dir, self.config, device=self.device, dtype=self.dtype, num_pages=self.num_pages,
+               comm=comm).serve()
 
 
-def start_remote_ranks(model_dir: str, device: torch.device, dtype: torch.dtype, num_pages: int,
-                       page_size: int, tp: int, init_method: str, num_threads: int | None) -> list:
+def start_remote_ranks(config: EngineConfig, model_dir: str, device: torch.device, dtype: torch.dtype,
+                       num_pages: int, init_method: str) -> list:
     """Start ranks 1..tp-1 as Ray actors in one placement group and set them serving.
 
     Returns the actor handles and their `serve` refs; the caller joins the group as rank 0 next.
@@ -134,16 +141,20 @@ def start_remote_ranks(model_dir: str, device: torch.device, dtype: torch.dtype,
 
     # On CPU the ranks need almost no Ray CPU accounting: 2-core machines fit only 2 whole-CPU actors.
     bundle = {"GPU": 1} if device.type == "cuda" else {"CPU": 0.01}
-    pg = placement_group([bundle] * (tp - 1), strategy="PACK")
+    pg = placement_group([bundle] * (config.tp - 1), strategy="PACK")
     ray.get(pg.ready(), timeout=60)
     remote = ray.remote(WorkerActor)
     actors, refs = [], []
-    for rank in range(1, tp):
+    for rank in range(1, config.tp):
         actor = remote.options(
             num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank - 1),
-        ).remote(model_dir, str(device), str(dtype).removeprefix("torch."), num_pages, page_size,
-                 rank, tp, init_method, num_threads)
+        ).remote(config, model_dir, str(device), str(dtype).removeprefix("torch."), num_pages, rank, init_method)
         actors.append(actor)
         refs.append(actor.serve.remote())
     return [pg, actors, refs]
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

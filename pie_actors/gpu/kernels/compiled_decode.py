@@ -13,7 +13,7 @@ import types
 
 import torch
 
-from . import amx_gemm_edits, hugepages
+from . import amx_gemm, hugepages
 from .attention import AttentionMetadata, LanePlan
 from ..model import LlamaModel
 
@@ -34,11 +34,11 @@ def _own_code(fn: types.FunctionType) -> types.FunctionType:
 class CompiledDecode:
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  page_size: int, scratch_page: int, *, batch_form: str = "fused_scores",
-                 gemm_autotune: bool = True, cpp_wrapper: bool = True,
-                 fused_attention_max_batch: int = FUSED_ATTENTION_MAX_BATCH):
+                 hugepages: bool = True, amx_gemm_edits: bool = True, gemm_autotune: bool = True,
+                 cpp_wrapper: bool = True, fused_attention_max_batch: int = FUSED_ATTENTION_MAX_BATCH):
         """`batch_form`: the decode attention form (`AttentionMetadata.decode_form`) of batches above
-        `fused_attention_max_batch`. The other keyword arguments are for benchmarks
-        (bench/decode_forms.py)."""
+        `fused_attention_max_batch`. `hugepages` and `amx_gemm_edits` are the engine's CPU speed
+        edits (EngineConfig). The other keyword arguments are for benchmarks (bench/decode_forms.py)."""
         self.model, self.kv_caches, self.page_size = model, kv_caches, page_size
         self.scratch_page = scratch_page
         self.batch_form, self.fused_attention_max_batch = batch_form, fused_attention_max_batch
@@ -56,8 +56,11 @@ class CompiledDecode:
             # keeps the faster, at ~20 s more per bucket's compile (bench/RESULTS.md, "compiled
             # decode forms").
             options |= {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
-        if self.device.type == "cpu" and amx_gemm_edits.applies():
-            options |= {"post_grad_custom_post_pass": amx_gemm_edits.CacheKey()}   # see `run`
+        on_cpu = self.device.type == "cpu"
+        self.hugepages = hugepages and on_cpu
+        self.amx_gemm_edits = amx_gemm_edits and on_cpu and amx_gemm.applies()
+        if self.amx_gemm_edits:
+            options |= {"post_grad_custom_post_pass": amx_gemm.CacheKey()}   # see `run`
         if self.device.type == "cpu" and cpp_wrapper:
             # The graph's ~400 kernel calls from generated C++ instead of Python: 1.03-1.09x a step
             # here, ~10 s more compile per bucket (bench/RESULTS.md, "compiled decode forms").
@@ -96,12 +99,12 @@ class CompiledDecode:
         ids = torch.tensor(input_ids + [0] * len(padding), device=self.device)
         pos = torch.tensor(positions + [0] * len(padding), device=self.device)
         # freezing turns the weights into constants, so the GEMMs get them prepacked (faster on the
-        # CPU), and the AMX GEMMs prefetch their weights (amx_gemm_edits.py); both are read when a
+        # CPU), and the AMX GEMMs prefetch their weights (amx_gemm.py); both are read when a
         # bucket compiles, which happens inside this call.
-        prefetch = amx_gemm_edits.patched() if self.device.type == "cpu" else contextlib.nullcontext()
-        with torch._inductor.config.patch(freezing=True), prefetch:
+        edits = amx_gemm.patched() if self.amx_gemm_edits else contextlib.nullcontext()
+        with torch._inductor.config.patch(freezing=True), edits:
             logits = self._fn(ids, pos, meta)[:n]
-        if batch not in self.batch_sizes and self.device.type == "cpu":
+        if batch not in self.batch_sizes and self.hugepages:
             hugepages.advise(hugepages.cpu_tensors())   # the bucket's new prepacked weights among them
         self.batch_sizes.add(batch)
         return logits

@@ -35,7 +35,7 @@ def _madvise(pages: Iterable[int], advice: int) -> None:
             _libc.madvise(ctypes.c_void_p(page), ctypes.c_size_t(HUGE_PAGE), advice)
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def zeros(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """torch.zeros, on huge pages on a Linux CPU where the OS gives them."""
     t = torch.empty(shape, dtype=dtype, device=device)
     if device.type != "cpu":

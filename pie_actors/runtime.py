@@ -1,0 +1,246 @@
+"""The launch API: start inferlets and follow them, in this process or on a Ray cluster, the same way.
+
+    with Runtime.local() as runtime:          # engine, data plane and sandbox here, no Ray
+        process = runtime.launch("examples/quickstart/main.py", {"question": "What is 2 + 2?"})
+        for event in process.events():        # Send(text) ... then Done(output) or Failed(...)
+            ...
+
+`Runtime.connect()` gives the same interface on a Ray cluster: it joins the cluster at `address`,
+RAY_ADDRESS or the one running on this machine (or starts one for itself), asks the cluster's
+Controller for the model's engine, and launches each program in a warm InferletActor. Every front
+door (`pie run`, the benches, the tests) starts programs here.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import os
+import threading
+from typing import Any
+
+from .config import Config, RunLimits, load
+from .inferlet.host import HostOpError
+from .process import Done, Failed, Process
+from .program import Program
+
+__all__ = ["Runtime"]
+
+
+class Runtime:
+    """Launches programs on one model's engine. A context manager: `close` stops what it started."""
+
+    def __init__(self, backend: _Local | _Cluster, config: Config) -> None:
+        self._backend, self.config = backend, config
+
+    @classmethod
+    def local(cls, model: str | None = None, **settings: Any) -> Runtime:
+        """Everything in this process, no Ray: the engine for `model` (default: the configured one),
+        its data plane on a local port, and the sandbox. `settings` override the config by name
+        (`dtype="float32"`, `timeout_s=60`, ...)."""
+        config = load(model=model, **settings)
+        return cls(_Local(config), config)
+
+    @classmethod
+    def connect(cls, address: str | None = None, **settings: Any) -> Runtime:
+        """The Ray cluster at `address` (else RAY_ADDRESS, else the one running here, else a new
+        local one, stopped again by `close`) and its Controller, which starts the model's engine
+        on first use. Asking for other engine settings than the running engine's is an error."""
+        config = load(**settings)
+        return cls(_Cluster(config, address), config)
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def launch(self, program: Any, input: Any = None, *, name: str | None = None,
+               files: dict[str, bytes] | None = None, timeout: float | None = None) -> Process:
+        """Start `program` (a .py file, a bundle folder or source text) on `input` (main's argument,
+        {} by default). `name`: the process name other inferlets' `session.send_to` use (one is made
+        up otherwise; a name in use is a ValueError). `files`: what `session.file(name)` reads.
+        `timeout`: its wall-clock limit in seconds (default: the config's timeout_s)."""
+        limits = self.config.limits if timeout is None else dataclasses.replace(self.config.limits, timeout_s=timeout)
+        return self._backend.launch(Program.load(program), {} if input is None else input, name,
+                                    dict(files or {}), limits)
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's figures (`batch_sizes`: lanes per executed batch -> batches; `kv`: total,
+        free, referenced and cached pages; connections, sequences, channels, programs) and
+        `processes`, the number of this model's programs running."""
+        return self._backend.stats()
+
+    @property
+    def engine(self):
+        """The in-process Engine (Runtime.local only), for tests and benchmarks that look inside."""
+        if not isinstance(self._backend, _Local):
+            raise AttributeError("a Runtime.connect() runtime's engine runs in its own actor: use stats()")
+        return self._backend.engine
+
+    def close(self) -> None:
+        """Stop this runtime's running programs (local) and what it started."""
+        self._backend.close()
+
+
+# ---- in this process -----------------------------------------------------------------------------
+
+class _Local:
+    def __init__(self, config: Config) -> None:
+        from .gpu.engine.data_plane import serve_model
+
+        self.server, self.address = serve_model(config.engine)
+        self.engine = self.server.engine
+        self.runs: dict[str, Any] = {}              # process name -> its Run, while it runs
+        self._lock = threading.Lock()
+        self._numbers = itertools.count(1)
+
+    def launch(self, program: Program, input: Any, name: str | None, files: dict[str, bytes],
+               limits: RunLimits) -> Process:
+        from .inferlet.run import Run
+
+        with self._lock:
+            if name is not None and name in self.runs:
+                raise ValueError(f"a process named {name!r} is already running")
+            while name is None or name in self.runs:
+                name = f"inferlet-{next(self._numbers)}"
+            self.runs[name] = None                  # taken; the Run comes next
+
+        def emit(event: Any) -> None:
+            if isinstance(event, (Done, Failed)):
+                with self._lock:
+                    self.runs.pop(name, None)
+            process.emit(event)
+
+        run = Run(program, input, self.address, limits, emit, files=files, send_to=self._send_to)
+        process = Process(name, run)
+        with self._lock:
+            self.runs[name] = run
+        run.start()
+        return process
+
+    def _send_to(self, name: str, message: Any) -> None:
+        with self._lock:
+            run = self.runs.get(name)
+            running = ", ".join(sorted(self.runs)) or "none"
+        if run is None:
+            raise HostOpError(f"no running inferlet named {name!r} (running: {running})")
+        run.deliver(message)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {**self.server.stats(), "processes": len(self.runs)}
+
+    def close(self) -> None:
+        with self._lock:
+            runs = [r for r in self.runs.values() if r is not None]
+        for run in runs:
+            run.cancel("the runtime closed")
+        self.server.close()
+        self.engine.close()
+
+
+# ---- on a Ray cluster ----------------------------------------------------------------------------
+
+class _ActorControl:
+    """A process's control (see process.Control) through its InferletActor."""
+
+    def __init__(self, actor: Any, name: str) -> None:
+        self.actor, self.name = actor, name
+
+    def deliver(self, message: Any) -> None:
+        self.actor.deliver.remote(message, self.name)
+
+    def deliver_file(self, data: bytes) -> None:
+        self.actor.deliver_file.remote(data, self.name)
+
+    def cancel(self, reason: str) -> None:
+        self.actor.cancel.remote(self.name, reason)
+
+
+class _Cluster:
+    def __init__(self, config: Config, address: str | None) -> None:
+        import ray
+
+        from . import controller
+
+        self.config = config
+        self.started_ray = not ray.is_initialized()
+        if self.started_ray:
+            _init_ray(address)
+        self.controller = controller.connect(config.pool_size)
+        try:
+            self.engine_actor, self.address = ray.get(self.controller.engine.remote(config.engine))
+        except ray.exceptions.RayTaskError as e:
+            if self.started_ray:
+                ray.shutdown()
+            if isinstance(e.cause, ValueError):       # EngineMismatch, a bad model name...
+                raise ValueError(str(e.cause)) from None
+            raise
+        # the actors' event streams are read by tasks on this loop
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="pie-runtime", daemon=True)
+        self.thread.start()
+
+    def launch(self, program: Program, input: Any, name: str | None, files: dict[str, bytes],
+               limits: RunLimits) -> Process:
+        import ray
+
+        try:
+            launched = ray.get(self.controller.launch.remote(self.config.engine.model, name))
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, ValueError):       # the name is taken
+                raise ValueError(str(e.cause)) from None
+            raise
+        name, actor = launched["process"], launched["actor"]
+        process = Process(name, _ActorControl(actor, name))
+        stream = actor.run.remote(program, input, self.address, limits, files=files, process=name,
+                                  controller=self.controller)
+        asyncio.run_coroutine_threadsafe(_pump(stream, process), self.loop)
+        return process
+
+    def stats(self) -> dict[str, Any]:
+        import ray
+
+        stats = ray.get(self.engine_actor.stats.remote())
+        status = ray.get(self.controller.status.remote())
+        model = self.config.engine.model
+        return {**stats, "processes": sum(p["model"] == model for p in status["processes"].values())}
+
+    def close(self) -> None:
+        import ray
+
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        if self.started_ray:
+            ray.shutdown()
+
+
+async def _pump(stream: Any, process: Process) -> None:
+    """Hand the events of an actor's run to its Process as they arrive."""
+    last = None
+    try:
+        async for ref in stream:
+            last = await ref
+            process.emit(last)
+    except Exception as e:            # the actor died, or its task failed outside the run
+        last = Failed("trap", f"the inferlet's actor failed: {type(e).__name__}: {e}")
+        process.emit(last)
+    if not isinstance(last, (Done, Failed)):
+        process.emit(Failed("trap", f"process {process.name!r} ended without a result"))
+
+
+def _init_ray(address: str | None) -> None:
+    import ray
+
+    from .controller import NAMESPACE
+
+    options = dict(namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR", configure_logging=False)
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, **options)
+        return
+    try:
+        ray.init(address="auto", **options)       # the cluster running on this machine
+    except ConnectionError:
+        ray.init(**options)                       # none: a local one, for this runtime
