@@ -32,10 +32,9 @@ def save_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-def make_engine(model_dir: Path, *, num_pages: int = 256, page_size: int = 16,
-                dtype: str = "float32", max_batch_tokens: int = 4096) -> Engine:
-    return Engine.from_model(str(model_dir), device="cpu", dtype=dtype, num_pages=num_pages,
-                             page_size=page_size, max_batch_tokens=max_batch_tokens)
+def make_engine(model_dir: Path, *, num_pages: int = 256, dtype: str = "float32", **settings) -> Engine:
+    """An engine on the CPU; `settings` are further engine settings by name (page_size, hugepages...)."""
+    return Engine.from_model(str(model_dir), device="cpu", dtype=dtype, num_pages=num_pages, **settings)
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:

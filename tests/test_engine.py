@@ -13,9 +13,10 @@ from tests.engine_helpers import make_engine
 ARGMAX = lambda logits: int(logits[-1].argmax())    # noqa: E731
 
 
-@pytest.fixture(scope="module")
-def engine(default_model_dir):
-    return make_engine(default_model_dir, num_pages=512)
+@pytest.fixture(scope="module", params=[True, False], ids=["hugepages", "small-pages"])
+def engine(default_model_dir, request):
+    """The engine, with the huge-page speed edit on and off: every scenario must hold both ways."""
+    return make_engine(default_model_dir, num_pages=512, hugepages=request.param)
 
 
 @pytest.fixture(autouse=True)
@@ -42,6 +43,12 @@ def test_batch_invariance(engine):
     assert together == alone
     assert max(engine.batch_sizes) == 8
     assert sum(engine.batch_sizes.values()) - before == 16      # one batch per decoding step
+
+
+def test_the_huge_page_edit_leaves_greedy_tokens_unchanged(default_model_dir):
+    on, off = (make_engine(default_model_dir, num_pages=64, hugepages=flag) for flag in (True, False))
+    prompts = [on.tokenizer.encode(p) for p in PROMPTS]
+    assert on.generate(prompts, 12, ignore_eos=True) == off.generate(prompts, 12, ignore_eos=True)
 
 
 def test_generate_keeps_batches_within_the_token_budget(engine, default_model_dir):

@@ -1,5 +1,5 @@
-"""Software prefetch and decode-shaped cache hints in inductor's AMX micro-GEMM, for the decode steps
-compiled on the CPU.
+"""Software prefetch in inductor's AMX micro-GEMM, for the decode steps compiled on the CPU (a speed
+edit: `EngineConfig.amx_gemm_edits` turns it off; CPUs without AMX never run this template).
 
 At decode M is the batch (1-32 rows): each 2 KiB tile of packed weights feeds a couple of tile
 multiplies, and the GEMMs wait on memory. Inductor's AMX micro-kernel (torch 2.13's
@@ -7,9 +7,9 @@ multiplies, and the GEMMs wait on memory. Inductor's AMX micro-kernel (torch 2.1
 only when it multiplies it, so few tiles are ever in flight: the weights streamed at ~16 GB/s where a
 plain read of them reaches ~26. Within `patched()` the template also prefetches, into L2, the weight
 tiles it will load `DISTANCE` k-steps later; a thread's column blocks lie one after another in the
-packed weight, so near the end of a block the prefetch runs on into the next. A batch-32 step:
-1.06-1.07x (bench/RESULTS.md). The tile loads' cache hints are also swapped (see `_EDITS`). Where
-torch's template differs from the one this was written for, nothing is patched.
+packed weight, so near the end of a block the prefetch runs on into the next (its measured gain:
+bench/RESULTS.md, "AMX micro-GEMM edits"). Where torch's template differs from the one this was
+written for, nothing is patched.
 """
 from __future__ import annotations
 
@@ -31,15 +31,8 @@ _PREFETCH = _ANCHOR + """\
                 _MM_HINT_T1);
 {%- endfor %}
 """
-# (template text, its replacement), each found exactly once in the template. Besides the prefetch,
-# the tile loads' cache hints trade places: the template streams A (the activations) and caches B
-# (the weights), which suits large M; at decode M is small, every column block reads all of A again
-# while each weight tile is read once, so caching the weights evicts A from L1 for nothing. One
-# batch-32 gate GEMM: 1.3x hot in L2, ~1.1-1.2x from memory; a batch-32 step 1.00-1.04x
-# (bench/RESULTS.md, `bench/gemm_edits.py`).
-_EDITS = ((_ANCHOR, _PREFETCH),
-          ("_tile_stream_loadd({{tile_idx_a}}, A", "_tile_loadd({{tile_idx_a}}, A"),
-          ("_tile_loadd({{tile_idx_b}}, B", "_tile_stream_loadd({{tile_idx_b}}, B"))
+# (template text, its replacement), each found exactly once in the template.
+_EDITS = ((_ANCHOR, _PREFETCH),)
 _lock = threading.Lock()
 _users = 0
 _original: str | None = None
