@@ -260,7 +260,9 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
         return getattr(torch, name)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has("avx512_bf16", "amx_bf16") else torch.float32
+    # torch's own dispatch level counts too: ATEN_CPU_CAPABILITY=avx2 runs like an AVX2-only host
+    avx512 = torch.backends.cpu.get_cpu_capability().lower() == "avx512"
+    return torch.bfloat16 if avx512 and cpu_has("avx512_bf16", "amx_bf16") else torch.float32
 
 
 def cpu_has(*flags: str) -> bool:

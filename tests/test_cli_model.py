@@ -190,7 +190,8 @@ def test_pick_device_and_dtype():
     assert config.pick_dtype("float32", cpu) == torch.float32
     assert config.pick_dtype("bfloat16", cpu) == torch.bfloat16
     assert config.pick_dtype("float16", cpu) == torch.float16
-    native_bf16 = bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    native_bf16 = (bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+                   and torch.backends.cpu.get_cpu_capability().lower() == "avx512")
     assert config.pick_dtype("auto", cpu) == (torch.bfloat16 if native_bf16 else torch.float32)
     with pytest.raises(ValueError, match="unknown dtype"):
         config.pick_dtype("float8", cpu)

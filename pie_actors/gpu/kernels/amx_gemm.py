@@ -50,6 +50,14 @@ def applies() -> bool:
     return all(template.count(old) == 1 for old, _ in _EDITS)
 
 
+def in_use() -> bool:
+    """Whether inductor compiles AMX GEMMs here (the CPU has AMX tiles and torch dispatches at the
+    AVX-512 level: ATEN_CPU_CAPABILITY=avx2 turns both off) and the patch fits its template."""
+    import torch
+    return (torch.cpu._is_amx_tile_supported() and torch.backends.cpu.get_cpu_capability().lower() == "avx512"
+            and applies())
+
+
 @contextlib.contextmanager
 def patched() -> Iterator[None]:
     """Inductor compiles AMX GEMMs with the edits while any thread is inside this block."""

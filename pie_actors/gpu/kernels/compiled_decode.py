@@ -58,7 +58,7 @@ class CompiledDecode:
             options |= {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
         on_cpu = self.device.type == "cpu"
         self.hugepages = hugepages and on_cpu
-        self.amx_gemm_edits = amx_gemm_edits and on_cpu and amx_gemm.applies()
+        self.amx_gemm_edits = amx_gemm_edits and on_cpu and amx_gemm.in_use()
         if self.amx_gemm_edits:
             options |= {"post_grad_custom_post_pass": amx_gemm.CacheKey()}   # see `run`
         if self.device.type == "cpu" and cpp_wrapper:

@@ -20,6 +20,9 @@ log = logging.getLogger(__name__)
 HEAD_DIMS = (64, 128)                   # the attention kernel's compiled head sizes
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "argmax.cpp")]
 _loaded: bool | None = None             # None: not tried yet
+# compiler flags by torch's CPU capability; vec.h picks its code path from the macros they set
+_MARCH = {"avx512": ["-march=native"], "avx2": ["-march=native", "-mno-avx512f"],
+          "default": ["-march=native", "-mno-avx512f", "-mno-avx2"]}
 
 
 def load() -> bool:
@@ -31,11 +34,13 @@ def load() -> bool:
             if shutil.which("ninja") is None:   # the PyPI package's binary: PATH may lack the venv
                 import ninja
                 os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-            # -march=native: the cache directory is per ISA level, so a home shared by different
-            # machines does not hand one machine another's instructions.
+            # The ISA torch dispatches to (ATEN_CPU_CAPABILITY lowers it: how an AVX2-only host is
+            # tried on a bigger one) picks the instructions; the cache directory is per ISA level,
+            # so a home shared by different machines does not hand one machine another's.
             isa = torch.backends.cpu.get_cpu_capability().lower()
             load_extension(f"pie_cpu_kernels_{isa}", [str(s) for s in _SOURCES], is_python_module=False,
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+                           extra_cflags=["-O3", *_MARCH.get(isa, _MARCH["default"]), "-fopenmp"],
+                           extra_ldflags=["-fopenmp"])
             torch.library.register_fake("pie_cpu::paged_decode_attention")(_fake_attention)
             torch.library.register_fake("pie_cpu::argmax_rows")(_fake_argmax)
             _loaded = True
