@@ -3,9 +3,9 @@ directly on the same prompt and the same number of passes, in one process, as a 
 
     python bench/decode.py [--question "..."] [--dtype bfloat16] [--repeats 3] [--out bench/RESULTS.md]
 
-The inferlet decodes until its stop token; the engine then runs exactly as many greedy passes
-(generate with that many new tokens), so both do the same model work. Median of --repeats, after
-a warm-up run of each.
+The inferlet is launched with `Runtime.local` (sandbox, data plane and engine in this process) and
+decodes until its stop token; the engine then runs exactly as many greedy passes (generate with that
+many new tokens), so both do the same model work. Median of --repeats, after a warm-up run of each.
 """
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import statistics
 import time
 from pathlib import Path
 
-from report import publish
+from inferlets import run_alone
+from report import add_output_options, publish
 
-from pie_actors.gpu.engine.data_plane import serve_model
+from pie_actors import Program, Runtime
 from pie_actors.inferlet.chat_ops import ChatTokens
-from pie_actors.inferlet.run import run_inferlet
 
-QUICKSTART = (Path(__file__).resolve().parent.parent / "examples/quickstart/main.py").read_text()
+QUICKSTART = Program.load(Path(__file__).resolve().parent.parent / "examples/quickstart")
 
 
 def main() -> None:
@@ -29,25 +29,19 @@ def main() -> None:
     ap.add_argument("--question", default="Write a short story about a dragon who learns to bake bread.")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", help="append the table, command line and date to this markdown file")
-    ap.add_argument("--title", default="Quickstart inferlet vs engine.generate")
+    add_output_options(ap, "Quickstart inferlet vs engine.generate")
     args = ap.parse_args()
 
     load_before = os.getloadavg()[0]
-    server, address = serve_model(dtype=args.dtype)
-    engine = server.engine
-    try:
+    with Runtime.local(dtype=args.dtype, compile=False) as runtime:
+        engine = runtime.engine
         chat = ChatTokens(engine.tokenizer)
         prompt = (chat.system("You are a concise assistant.") + chat.user(args.question)
                   + chat.cue_without_thinking())
+        question = {"question": args.question}
 
-        def inferlet() -> int:
-            """Run the quickstart; returns the passes it made."""
-            before = sum(n * count for n, count in engine.batch_sizes.items())
-            run_inferlet(QUICKSTART, {"question": args.question}, address)
-            return sum(n * count for n, count in engine.batch_sizes.items()) - before
-
-        passes = inferlet()                                  # warm-up; fixes the pass count
+        _, done = run_alone(runtime, QUICKSTART, question)  # warm-up; fixes the pass count
+        passes = done["passes"]
         engine.generate([prompt], passes, ignore_eos=True)   # warm-up
 
         def timed(fn) -> float:
@@ -58,13 +52,11 @@ def main() -> None:
                 times.append(time.perf_counter() - t0)
             return statistics.median(times)
 
-        t_inferlet = timed(inferlet)
+        t_inferlet = timed(lambda: runtime.launch(QUICKSTART, question).result())
         t_engine = timed(lambda: engine.generate([prompt], passes, ignore_eos=True))
-    finally:
-        server.close()
-        engine.close()
 
-    rows = [("engine.generate (in process)", passes / t_engine), ("quickstart inferlet via run_inferlet", passes / t_inferlet)]
+    rows = [("engine.generate (in process)", passes / t_engine),
+            ("quickstart inferlet via Runtime.local", passes / t_inferlet)]
     report = "\n".join(["| path | passes (prompt + tokens) | tokens/s |", "|---|---|---|"] +
                        [f"| {name} | {passes} | {tps:.1f} |" for name, tps in rows])
     report += f"\n\ninferlet ÷ engine: {rows[1][1] / rows[0][1]:.2f}×\n"

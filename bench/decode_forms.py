@@ -1,4 +1,4 @@
-"""Compiled decode variants side by side (issue 2): the GEMMs by inductor's C++ template (autotuned
+"""Compiled decode variants side by side: the GEMMs by inductor's C++ template (autotuned
 against oneDNN) or by oneDNN alone, the graph's calls from a C++ or a Python wrapper, decode
 attention by the C++ paged kernel, as fused multiply-sums or as batched matmuls, and the MLP's gate
 and up projections as two GEMMs or merged into one.
@@ -21,7 +21,7 @@ import types
 
 import torch
 import torch.nn.functional as F
-from report import publish
+from report import add_output_options, publish
 
 from pie_actors.gpu.kernels.compiled_decode import CompiledDecode
 from pie_actors.gpu.engine import Engine
@@ -78,8 +78,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--variants", help="comma list of variant numbers (0 = the default) to run; all if unset")
-    parser.add_argument("--out", help="append the table to this markdown file")
-    parser.add_argument("--title", default="compiled decode forms")
+    add_output_options(parser, "compiled decode forms")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
 

@@ -29,7 +29,7 @@ import torch
 
 from baselines import THREADS, Run, Speed, by_subtraction, llama_cpp_run, measure, torch_run, transformers_run
 from gguf_variants import default_gguf, variant
-from report import publish
+from report import add_output_options, publish
 
 SYSTEMS = ("engine", "engine-compiled", "transformers", "torch", "llamacpp")
 BATCHES = (1, 8, 32)
@@ -184,8 +184,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16,float32", help="comma list of bfloat16, float32")
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per sequence in decode runs")
     ap.add_argument("--quick", action="store_true", help="16 tokens, 1 repeat: a smoke run, noisy numbers")
-    ap.add_argument("--out", help="append the tables, command line and date to this markdown file")
-    ap.add_argument("--title", default="Benchmark", help="heading of the section --out appends")
+    add_output_options(ap, "Engine vs baselines, all systems, both dtypes")
     args = ap.parse_args()
     new_tokens, repeats = (16, 1) if args.quick else (args.tokens, 3)
     systems = args.systems.split(",")
@@ -206,6 +205,7 @@ def main() -> None:
            f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
     report = f"{table(rows)}\n\n{ratios(rows)}\n"
     publish(env, report, args.out, args.title)
+
 
 if __name__ == "__main__":
     main()

@@ -11,10 +11,11 @@
     python bench/eta.py [--dtype bfloat16] [--tokens 64] [--prompt-tokens 500] [--repeats 3]
                         [--out bench/RESULTS.md]
 
-Each request is an inferlet in the WASM sandbox, talking to the engine over its socket. Every
-timed run of (b) gets a prompt of its own (a different first line), so the engine's prefix
-cache holds nothing from an earlier run; within a run the independent requests may find the
-pages another of them already froze, which is what the prompt-token counts show.
+Each request is an inferlet launched with `Runtime.local`: in the WASM sandbox, talking to the
+engine in this process over its socket. Every timed run of (b) gets a prompt of its own (a
+different first line), so the engine's prefix cache holds nothing from an earlier run; within a
+run the independent requests may find the pages another of them already froze, which is what the
+prompt-token counts show.
 """
 from __future__ import annotations
 
@@ -22,16 +23,15 @@ import argparse
 import os
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from report import publish
+from inferlets import run_alone
+from report import add_output_options, publish
 
-from pie_actors.gpu.engine.data_plane import serve_model
-from pie_actors.inferlet.run import run_inferlet
+from pie_actors import Program, Runtime
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-RUN_AHEAD, PER_TOKEN, PREFIX_SHARING = ((EXAMPLES / name / "main.py").read_text()
+RUN_AHEAD, PER_TOKEN, PREFIX_SHARING = (Program.load(EXAMPLES / name)
                                         for name in ("run_ahead", "completion_max", "prefix_sharing"))
 DECODE_PROMPT = "Here is a list of the first hundred numbers: 1, 2, 3, 4, 5,"
 BRANCHES = 10
@@ -44,13 +44,12 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=500, help="about how long the prompt of (b) is")
     ap.add_argument("--branch-tokens", type=int, default=16, help="tokens each branch of (b) decodes")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", help="append the tables, command line and date to this markdown file")
-    ap.add_argument("--title", default="run_ahead vs one pass per token; ten forks vs ten requests")
+    add_output_options(ap, "run_ahead vs one pass per token; ten forks vs ten requests")
     args = ap.parse_args()
 
     load_before = os.getloadavg()[0]
-    server, address = serve_model(dtype=args.dtype)
-    engine = server.engine
+    runtime = Runtime.local(dtype=args.dtype, compile=False)
+    engine = runtime.engine
     computed = [0]                                    # rows the model ran
     execute = engine.worker.execute
 
@@ -70,12 +69,10 @@ def main() -> None:
         return statistics.median(times), results
 
     try:
-        def decode(source: str):
+        def decode(program: Program):
             """Run a decode program: its output and the requests its host sent the engine."""
-            hosts = []
-            out = run_inferlet(source, {"prompt": DECODE_PROMPT, "max_tokens": args.tokens}, address,
-                               on_start=hosts.append)
-            return out, hosts[0].client.requests
+            out, done = run_alone(runtime, program, {"prompt": DECODE_PROMPT, "max_tokens": args.tokens})
+            return out, done["requests"]
 
         t_ahead, [*_, (ahead, ahead_requests)] = timed(lambda: decode(RUN_AHEAD))
         t_token, [*_, (per_token, token_requests)] = timed(lambda: decode(PER_TOKEN))
@@ -97,28 +94,32 @@ def main() -> None:
         def fork() -> int:
             """Prompt tokens the model computed."""
             before = computed[0]
-            run_inferlet(PREFIX_SHARING, {"prompt": prompt(), "branches": BRANCHES,
-                                          "max_tokens": args.branch_tokens}, address)
+            runtime.launch(PREFIX_SHARING, {"prompt": prompt(), "branches": BRANCHES,
+                                            "max_tokens": args.branch_tokens}).result()
             return computed[0] - before - decoded
 
-        def requests(workers: int):
-            def one(text: str, seed: int) -> None:
-                run_inferlet(PREFIX_SHARING, {"prompt": text, "branches": 1, "seed": seed,
-                                              "max_tokens": args.branch_tokens}, address)
+        def requests(at_once: bool):
+            def one(text: str, seed: int):
+                return runtime.launch(PREFIX_SHARING, {"prompt": text, "branches": 1, "seed": seed,
+                                                       "max_tokens": args.branch_tokens})
 
             def run() -> int:
                 text, before = prompt(), computed[0]
-                with ThreadPoolExecutor(workers) as pool:
-                    list(pool.map(one, [text] * BRANCHES, range(BRANCHES)))
+                if at_once:
+                    processes = [one(text, seed) for seed in range(BRANCHES)]
+                    for process in processes:
+                        process.result()
+                else:
+                    for seed in range(BRANCHES):
+                        one(text, seed).result()
                 return computed[0] - before - decoded
             return run
 
         cases = [("10 branches forked from one prompt (one inferlet)", timed(fork)),
-                 ("10 independent requests, at once", timed(requests(BRANCHES))),
-                 ("10 independent requests, one after another", timed(requests(1)))]
+                 ("10 independent requests, at once", timed(requests(at_once=True))),
+                 ("10 independent requests, one after another", timed(requests(at_once=False)))]
     finally:
-        server.close()
-        engine.close()
+        runtime.close()
 
     decode_rows = [("run_ahead (examples/run_ahead)", args.tokens / t_ahead, ahead_requests),
                    ("one pass per token (examples/completion_max)", args.tokens / t_token, token_requests)]

@@ -15,7 +15,7 @@ import statistics
 os.environ.setdefault("TQDM_DISABLE", "1")  # before torch imports tqdm; see baselines.py
 
 from baselines import by_subtraction
-from report import publish
+from report import add_output_options, publish
 
 from pie_actors.gpu.kernels import amx_gemm
 from pie_actors.gpu.engine import Engine
@@ -28,8 +28,7 @@ def main() -> None:
     ap.add_argument("--keep", type=int, default=1, help="edits engine A compiles with (the first K)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--out")
-    ap.add_argument("--title", default="AMX micro-GEMM edits")
+    add_output_options(ap, "AMX micro-GEMM edits")
     args = ap.parse_args()
     every = amx_gemm._EDITS
     runs = {}

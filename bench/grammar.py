@@ -9,7 +9,7 @@ per sequence (the constrained run decides how many: until its JSON schema comple
 counts generated tokens over the decode loop (prompts prefilled first, untimed). The breakdown
 columns are host milliseconds per token for mask / apply / accept.
 
-The second table is the cost an inferlet pays today for the same matcher work through host
+The second table is the cost an inferlet pays for the same matcher work through host
 operations (JSON over the sandbox boundary): Matcher.mask() + accept_tokens() per token, and
 mask.unpack_mask in the guest.
 
@@ -22,7 +22,8 @@ token by phase, against the same inferlet decoding as many tokens unconstrained:
   ([vocab / 16] values instead of [vocab] bools), unpacked in the epilogue with eta ops (exact in
   f32: a / 2^k, truncate, test the low bit): what packing before the boundary saves, with no
   engine change.
-Both must choose the same tokens. `--parts` picks the tables to run.
+Both must choose the same tokens. The inferlets of the second and third tables are launched with
+`Runtime.local` (sandbox, data plane and engine in this process). `--parts` picks the tables to run.
 """
 from __future__ import annotations
 
@@ -33,13 +34,12 @@ import statistics
 import time
 
 import torch
-from report import publish
+from report import add_output_options, publish
 
+from pie_actors import Runtime
 from pie_actors.gpu.engine import Lane, PassRequest
-from pie_actors.gpu.engine.data_plane import serve_model
 from pie_actors.inferlet.chat_ops import ChatTokens
 from pie_actors.inferlet.grammar import GrammarCompiler, Matcher
-from pie_actors.inferlet.run import run_inferlet
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "home"],
           "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0},
@@ -141,12 +141,12 @@ async def main(input):
 """
 
 
-def device_path(address, prompt: list[int], repeats: int) -> list[tuple]:
+def device_path(runtime: Runtime, prompt: list[int], repeats: int) -> list[tuple]:
     """Rows (path, tokens, ms/token by phase..., total ms/token, ratio to unconstrained) of the
     third table; the median run of `repeats` for each path."""
     def median_run(mode: str, n: int) -> dict:
         input = {"mode": mode, "schema": SCHEMA, "prompt": prompt, "max": n}
-        runs = [run_inferlet(DEVICE_LOOP, input, address) for _ in range(repeats + 1)][1:]   # 1st: warm-up
+        runs = [runtime.launch(DEVICE_LOOP, input).result() for _ in range(repeats + 1)][1:]   # 1st: warm-up
         return sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
 
     paths = {"bool channel": median_run("bool", MAX_TOKENS), "packed 16-bit": median_run("packed16", MAX_TOKENS)}
@@ -237,14 +237,13 @@ def main() -> None:
     ap.add_argument("--parts", default="host,guest,device",
                     help="tables to run: host (engine loop), guest (matcher host operations), device (mask "
                          "through a channel, applied in the epilogue)")
-    ap.add_argument("--out", help="append the tables, command line and date to this markdown file")
-    ap.add_argument("--title", default="Grammar-constrained decoding vs unconstrained")
+    add_output_options(ap, "Grammar-constrained decoding vs unconstrained")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
 
     load_before = os.getloadavg()[0]
-    server, address = serve_model(dtype=args.dtype)
-    engine = server.engine
+    runtime = Runtime.local(dtype=args.dtype, compile=False)
+    engine = runtime.engine
     rows, guest, device = [], None, []
     try:
         tok = engine.tokenizer
@@ -268,13 +267,12 @@ def main() -> None:
         if "guest" in parts:
             # the guest's cost for the same matcher work, over a fixed token path (the first output)
             path = constrained(engine, compiler, prompts[:1], stops)["outputs"][0]
-            run_inferlet(GUEST_LOOP, {"tokens": path, "schema": SCHEMA}, address)               # warm-up
-            guest = run_inferlet(GUEST_LOOP, {"tokens": path, "schema": SCHEMA}, address), len(path)
+            runtime.launch(GUEST_LOOP, {"tokens": path, "schema": SCHEMA}).result()            # warm-up
+            guest = runtime.launch(GUEST_LOOP, {"tokens": path, "schema": SCHEMA}).result(), len(path)
         if "device" in parts:
-            device = device_path(address, prompts[0], args.repeats)
+            device = device_path(runtime, prompts[0], args.repeats)
     finally:
-        server.close()
-        engine.close()
+        runtime.close()
 
     tables = []
     if rows:

@@ -26,8 +26,9 @@ from typing import Awaitable, Callable
 
 import ray
 import uvloop
-from report import publish
+from report import add_output_options, publish
 
+from pie_actors.config import load
 from pie_actors.gpu.engine import Engine, Lane, PassRequest
 from pie_actors.gpu.engine.epilogues import simple_epilogue
 from pie_actors.gpu.engine.actor import start_engine_actor
@@ -126,7 +127,7 @@ async def measure(clients: list[Client], passes: int, repeats: int) -> float:
 async def bench(model_dir: str, counts: list[int], passes: int, repeats: int) -> dict[tuple[int, str], float]:
     """(clients, mode) -> seconds for clients x passes passes."""
     engine = Engine.from_model(model_dir, **ENGINE).start()
-    _, address = start_engine_actor(model_dir, host="127.0.0.1", **ENGINE)
+    _, address = start_engine_actor(load(model=model_dir, **ENGINE).engine, host="127.0.0.1")
     forwarder = ray.remote(num_cpus=0)(RayForward).remote(model_dir)
     results = {}
     for n in counts:
@@ -158,8 +159,7 @@ def main() -> None:
     ap.add_argument("--clients", default="1,16,64", help="comma list of concurrent client counts")
     ap.add_argument("--passes", type=int, default=128, help="one-token passes per client per run")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", help="append the table, command line and date to this markdown file")
-    ap.add_argument("--title", default="Data plane overhead", help="heading of the section --out appends")
+    add_output_options(ap, "Data plane overhead")
     args = ap.parse_args()
     model_dir = str(resolve_model("dummy"))
 
@@ -175,6 +175,7 @@ def main() -> None:
            f"{os.getloadavg()[0]:.1f} after")
     report = table(results, args.passes) + "\n"
     publish(env, report, args.out, args.title)
+
 
 if __name__ == "__main__":
     main()

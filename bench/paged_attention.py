@@ -1,4 +1,4 @@
-"""CPU decode attention of one layer, side by side (issue 2): the C++ paged kernel
+"""CPU decode attention of one layer, side by side: the C++ paged kernel
 (pie_actors/gpu/kernels/csrc/paged_decode.cpp) against the torch gather path, and the kernel on pages laid
 out in order or scattered over the pool, in KV tensors on 4 KiB or transparent huge pages.
 
@@ -8,8 +8,8 @@ out in order or scattered over the pool, in KV tensors on 4 KiB or transparent h
 SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head_dim 64), bf16, 16-token pages. A
 step calls one layer after another of 30, each its own KV tensors, and between two layers (untimed)
 reads `--stream-mb` of other memory, as the model streams a layer's weights (~7 MB) there: so the
-pages come from memory, not from the last level cache, as in the model (--stream-mb 0: L3-warm,
-the numbers up to 2026-11-30). The table shows microseconds a layer, median of interleaved rounds.
+pages come from memory, not from the last level cache, as in the model (--stream-mb 0: pages
+warm in the last level cache). The table shows microseconds a layer, median of interleaved rounds.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from report import publish
+from report import add_output_options, publish
 
 from pie_actors.gpu.kernels import cpu_kernels
 from pie_actors.gpu.kernels.attention import _decode_attention, _gather
@@ -45,8 +45,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--stream-mb", type=float, default=7.0,
                         help="memory read between two layers (a layer's weights in the model)")
-    parser.add_argument("--out", help="append the table to this markdown file")
-    parser.add_argument("--title", default="CPU paged decode attention")
+    add_output_options(parser, "CPU paged decode attention")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     assert cpu_kernels.load(), "the kernel did not build"

@@ -10,6 +10,7 @@ import os
 import platform
 import shlex
 import sys
+from typing import Any
 
 # /proc/cpuinfo flags that decide which CPU kernels run, and how the host line names them
 CPU_FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16"}
@@ -60,6 +61,15 @@ def replace_section(path: str, title: str, section: str) -> None:
         before, after = "".join(lines[:start]), "".join(lines[end:])
     with open(path, "w") as f:
         f.write(before + section + ("\n" + after if after else ""))
+
+
+def add_output_options(parser: Any, title: str) -> None:
+    """The options `publish` takes: --out FILE and --title (default `title`, the bench's section
+    of bench/RESULTS.md)."""
+    parser.add_argument("--out", metavar="FILE",
+                        help="write the tables, command line, date and host as the `## TITLE` section of this "
+                             "markdown file (bench/RESULTS.md), replacing the section of that title")
+    parser.add_argument("--title", default=title, help="the section's heading (default: %(default)s)")
 
 
 def publish(env: str, report: str, out: str | None, title: str) -> None:

@@ -4,7 +4,7 @@
 
 bench/engine.py runs one system after another; on a shared machine the load drifts between them.
 Here each round decodes once with every system, so drift hits all of them alike, and the table gives
-medians and the ratio to llama.cpp (issue 2's single-stream target: >= 1.0x). Both time decode only:
+medians and the ratio to llama.cpp (the single-stream target: >= 1.0x). Both time decode only:
 the n-1 tokens after the first, the prompt's prefill left out.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import statistics
 from baselines import llama_cpp_generate, llama_cpp_model
 from decode_forms import decode_tps
 from gguf_variants import variant
-from report import publish
+from report import add_output_options, publish
 
 from pie_actors.gpu.engine import Engine
 
@@ -28,8 +28,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", help="append the table to this markdown file")
-    parser.add_argument("--title", default="single-stream decode, interleaved with llama.cpp")
+    add_output_options(parser, "single-stream decode, interleaved with llama.cpp")
     args = parser.parse_args()
 
     engine = Engine.from_model("smollm2-135m-instruct", device="cpu", dtype="bfloat16", compile=True,
