@@ -10,7 +10,7 @@ import pytest
 from pie_actors.inferlet import InferletError
 from pie_actors.inferlet.chat_ops import ChatTokens
 from pie_actors import RunLimits
-from pie_actors.inferlet.ops import FRAME_SIZE
+from pie_actors.inferlet.model_ops import FRAME_SIZE
 from tests.inferlet_helpers import EXAMPLES, referenced, run, settle
 
 QUICKSTART = (EXAMPLES / "quickstart" / "main.py").read_text()

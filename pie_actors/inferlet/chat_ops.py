@@ -1,19 +1,21 @@
-"""Chat formatting on the host: the token ids of conversation pieces (`chat.*` host operations).
+"""Chat formatting on the host: `ChatTokens`, the token ids of conversation pieces, and `ChatOps`,
+the `chat.*` host operations.
 
 `ChatTokens` derives every piece from the model's own chat template, so the same inferlet works
-on any family. `ChatOps` is the mixin that gives `InferletHost` the `chat.*` operations and,
-through the mixins of structured_ops.py, the `tools.*`, `reasoning.*` and `grammar.*` ones; it
-only needs the host's `tok` (the model's Tokenizer).
+on any family. `ChatOps` receives the run's `RunState` (run_state.py), whose `chat` is the model's
+ChatTokens.
 """
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .host import HostOpError
-from .structured_ops import GrammarOps, ReasoningOps, ToolOps
 
-__all__ = ["ChatTokens", "ChatOps", "EFFORTS"]
+if TYPE_CHECKING:      # run_state.py imports chat_tokens from here
+    from .run_state import RunState
+
+__all__ = ["ChatTokens", "ChatOps", "EFFORTS", "chat_tokens"]
 
 EFFORTS = ("none", "low", "medium", "high")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -195,62 +197,58 @@ def _text(args: Any, what: str) -> str:
     return args
 
 
-class ChatOps(ToolOps, ReasoningOps):
-    """The `chat.*` host operations (mixed into InferletHost, which provides `tok`), and with
-    its bases those of tools, reasoning and grammar."""
+class ChatOps:
+    def __init__(self, run: RunState) -> None:
+        self.run = run
 
-    CHAT_OPS: dict[str, str] = {
-        "chat.prefix": "_chat_prefix", "chat.system": "_chat_system", "chat.user": "_chat_user",
-        "chat.assistant": "_chat_assistant", "chat.system_user": "_chat_system_user",
-        "chat.first_user": "_chat_first_user", "chat.system_thinking": "_chat_system_thinking",
-        "chat.cue": "_chat_cue", "chat.cue_without_thinking": "_chat_cue_without_thinking",
-        "chat.cue_thinking": "_chat_cue_thinking", "chat.seal": "_chat_seal",
-        "chat.stop_tokens": "_chat_stop_tokens",
-        **ToolOps.TOOL_OPS, **ReasoningOps.REASONING_OPS, **GrammarOps.GRAMMAR_OPS,
-    }
+    def ops(self) -> dict[str, Callable[[Any], Any]]:
+        return {
+            "chat.prefix": self.prefix, "chat.system": self.system, "chat.user": self.user,
+            "chat.assistant": self.assistant, "chat.system_user": self.system_user,
+            "chat.first_user": self.first_user, "chat.system_thinking": self.system_thinking,
+            "chat.cue": self.cue, "chat.cue_without_thinking": self.cue_without_thinking,
+            "chat.cue_thinking": self.cue_thinking, "chat.seal": self.seal,
+            "chat.stop_tokens": self.stop_tokens,
+        }
 
-    @property
-    def chat(self) -> ChatTokens:
-        return chat_tokens(self.tok)
+    def prefix(self, args: Any) -> list[int]:
+        return self.run.chat.prefix()
 
-    def _chat_prefix(self, args) -> list[int]:
-        return self.chat.prefix()
+    def system(self, text: Any) -> list[int]:
+        return self.run.chat.system(_text(text, "chat.system"))
 
-    def _chat_system(self, text) -> list[int]:
-        return self.chat.system(_text(text, "chat.system"))
+    def user(self, text: Any) -> list[int]:
+        return self.run.chat.user(_text(text, "chat.user"))
 
-    def _chat_user(self, text) -> list[int]:
-        return self.chat.user(_text(text, "chat.user"))
+    def assistant(self, text: Any) -> list[int]:
+        return self.run.chat.assistant(_text(text, "chat.assistant"))
 
-    def _chat_assistant(self, text) -> list[int]:
-        return self.chat.assistant(_text(text, "chat.assistant"))
-
-    def _chat_system_user(self, args) -> list[int]:
+    def system_user(self, args: Any) -> list[int]:
         if not (isinstance(args, list) and len(args) == 2):
             raise HostOpError("chat.system_user takes [system, user]")
-        return self.chat.system_user(_text(args[0], "chat.system_user"), _text(args[1], "chat.system_user"))
+        return self.run.chat.system_user(_text(args[0], "chat.system_user"), _text(args[1], "chat.system_user"))
 
-    def _chat_first_user(self, text) -> list[int]:
-        return self.chat.first_user(_text(text, "chat.first_user"))
+    def first_user(self, text: Any) -> list[int]:
+        return self.run.chat.first_user(_text(text, "chat.first_user"))
 
-    def _chat_system_thinking(self, args) -> list[int]:
+    def system_thinking(self, args: Any) -> list[int]:
         if not (isinstance(args, list) and len(args) == 2):
             raise HostOpError("chat.system_thinking takes [text, effort]")
-        return self.chat.system_thinking(_text(args[0], "chat.system_thinking"), args[1])
+        return self.run.chat.system_thinking(_text(args[0], "chat.system_thinking"), args[1])
 
-    def _chat_cue(self, args) -> list[int]:
-        return self.chat.cue()
+    def cue(self, args: Any) -> list[int]:
+        return self.run.chat.cue()
 
-    def _chat_cue_without_thinking(self, args) -> list[int]:
-        return self.chat.cue_without_thinking()
+    def cue_without_thinking(self, args: Any) -> list[int]:
+        return self.run.chat.cue_without_thinking()
 
-    def _chat_cue_thinking(self, thinking) -> list[int]:
+    def cue_thinking(self, thinking: Any) -> list[int]:
         if not isinstance(thinking, bool):
             raise HostOpError("chat.cue_thinking takes true or false")
-        return self.chat.cue_thinking(thinking)
+        return self.run.chat.cue_thinking(thinking)
 
-    def _chat_seal(self, args) -> list[int]:
-        return self.chat.seal()
+    def seal(self, args: Any) -> list[int]:
+        return self.run.chat.seal()
 
-    def _chat_stop_tokens(self, args) -> list[int]:
-        return self.chat.stop_tokens()
+    def stop_tokens(self, args: Any) -> list[int]:
+        return self.run.chat.stop_tokens()

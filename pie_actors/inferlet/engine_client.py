@@ -1,8 +1,11 @@
 """Asyncio client of the engine's data-plane server (`pie_actors.gpu.engine.data_plane`), used by inferlet actors.
 
 Calls are pipelined: each sends its request and awaits the response with its id, which a reader task
-dispatches, so many passes are in flight on one connection. The client belongs to the event loop it
-was connected on; from another thread (the guest's), use `asyncio.run_coroutine_threadsafe`.
+dispatches, so many passes are in flight on one connection. Every wire op (wire.py) has a typed
+method: `async` ones await the reply; `start_pass` sends without awaiting and hands back the request
+id and the reply's future; `start_free`, `repeat_ack` and `repeat_stop` send and drop the reply. The
+client belongs to the event loop it was connected on; from another thread (the guest's), use
+`asyncio.run_coroutine_threadsafe` (or `loop.call_soon_threadsafe` for the non-awaiting sends).
 
 No torch here (it costs ~200 MB in every inferlet actor): only the protocol and msgpack.
 """
@@ -26,6 +29,11 @@ class EngineError(Exception):
     def __init__(self, type: str, message: str):
         super().__init__(f"{type}: {message}")
         self.type, self.message = type, message
+
+
+def _drop_outcome(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()     # retrieved, so asyncio does not log it as never retrieved
 
 
 class EngineClient:
@@ -86,6 +94,10 @@ class EngineClient:
     async def free(self, seq: int) -> None:
         await self.call("free", seq=seq)
 
+    def start_free(self, seq: int) -> None:
+        """Free `seq` without waiting: written after every request sent before it."""
+        self._send_only("free", seq=seq)
+
     async def state(self, seq: int) -> wire.SeqState:
         return await self.call("seq_state", seq=seq)
 
@@ -98,12 +110,61 @@ class EngineClient:
         "logits": a float32 memoryview of shape [readout rows, vocab])."""
         return await self.call("pass", lanes=lanes, epilogue=epilogue)
 
+    def start_pass(self, lanes: list[wire.LaneSpec], epilogue: dict[str, Any] = wire.ARGMAX, *,
+                   prologue: int | None = None, adapters: list[list] | None = None,
+                   repeat: dict[str, int] | None = None) -> tuple[int, asyncio.Future]:
+        """Send a forward pass now, without awaiting it (passes go out in call order); returns its
+        request id (what `repeat_ack` / `repeat_stop` name) and the future of its result. `repeat`
+        {"budget", "window"} makes it a repeating pass, whose result is the number of runs kept."""
+        optional = {"prologue": prologue, "adapters": adapters, "repeat": repeat}
+        return self.start("pass", lanes=lanes, epilogue=epilogue,
+                          **{k: v for k, v in optional.items() if v is not None})
+
+    def repeat_ack(self, pass_id: int, read: int) -> None:
+        """The outputs of `read` runs of repeating pass `pass_id` were read: it may run further ahead."""
+        self._send_only("repeat_ack", **{"pass": pass_id, "read": read})
+
+    def repeat_stop(self, pass_id: int, keep: int | None = None) -> None:
+        """Stop repeating pass `pass_id`; the runs after the first `keep` are cut off its sequences."""
+        self._send_only("repeat_stop", **{"pass": pass_id, "keep": keep})
+
     async def program(self, ir: str) -> int:
         """Register (and compile, once per engine) an eta program; returns its id here."""
         return await self.call("program", ir=ir)
 
     async def stats(self) -> wire.Stats:
         return await self.call("stats")
+
+    async def chan_create(self, shape: list[int], dtype: str, capacity: int = 1, values: Any = None) -> int:
+        """A new channel (owned by this connection), holding `values` when given; returns its id."""
+        return await self.call("chan_create", shape=shape, dtype=dtype, capacity=capacity, values=values)
+
+    async def chan_put(self, chan: int, value: Any) -> None:
+        await self.call("chan_put", chan=chan, value=value)
+
+    async def chan_put_bits(self, chan: int, words: list[int], n: int) -> None:
+        """Put a bool value of `n` elements packed in int32 words (element i: bit i % 32 of word i // 32)."""
+        await self.call("chan_put", chan=chan, value=words, bits=n)
+
+    async def chan_take(self, chan: int) -> Any:
+        """The channel's next value; an error response when it is empty."""
+        return await self.call("chan_take", chan=chan)
+
+    async def chan_subscribe(self, chan: int) -> None:
+        """From now on every value put into `chan` is pushed to `on_push` instead of waiting for a take."""
+        await self.call("chan_subscribe", chan=chan)
+
+    async def chan_free(self, chan: int) -> None:
+        await self.call("chan_free", chan=chan)
+
+    def _send_only(self, op: str, **fields: Any) -> None:
+        """Send a request whose reply nobody awaits. Its failure is dropped, a lost connection too:
+        what these requests are about (a sequence, a repeating pass) ends with the connection."""
+        try:
+            _, future = self.start(op, **fields)
+        except EngineError:
+            return
+        future.add_done_callback(_drop_outcome)
 
     async def close(self) -> None:
         """Close the connection; the engine frees every sequence this connection still owns."""

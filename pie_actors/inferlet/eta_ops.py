@@ -1,7 +1,7 @@
-"""The `ws.*`, `eta.*` and `chan.*` host operations: working sets, passes, programs and channels.
+"""The `ws.*`, `eta.*` and `chan.*` host operations (`EtaOps`): working sets, passes, programs, channels.
 
-A mixin of InferletHost (runtime.py), which provides the engine connection (`client`, on the loop
-thread `loop`), `_wait` for blocking calls, and `futures` for the guest's asynchronous results.
+It receives the run's `RunState`: the engine connection (`client`, on the loop thread `loop`),
+`wait` for blocking calls, and `futures` / `complete` for the guest's asynchronous results.
 
 - Working-set handles are the run's own small integers, mapped to engine sequences.
 - Epilogues and prologues are eta programs: the guest's traced IR is registered with the engine
@@ -9,8 +9,8 @@ thread `loop`), `_wait` for blocking calls, and `futures` for the guest's asynch
 - Channel handles are the engine's channel ids. A channel the guest reads with `take_scalar` is
   subscribed: the engine pushes every value put into it, so reading a token costs no request.
 - Passes are written to the engine in submission order (`loop.call_soon_threadsafe` is FIFO and
-  `EngineClient.start` writes without awaiting); a repeating pass (`run_ahead`) stays on the engine,
-  which runs it up to `window` times ahead of the reads the guest acknowledged.
+  `EngineClient.start_pass` writes without awaiting); a repeating pass (`run_ahead`) stays on the
+  engine, which runs it up to `window` times ahead of the reads the guest acknowledged.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from .engine_client import EngineError
 from .host import HostOpError, Inbox
+from .run_state import RunState
 
 __all__ = ["EtaOps"]
 
@@ -47,17 +48,8 @@ def _scalar(value: Any) -> Any:
 
 
 class EtaOps:
-    ETA_OPS: dict[str, str] = {
-        "ws.create": "_ws_create", "ws.fork": "_ws_fork", "ws.state": "_ws_state",
-        "ws.reserve": "_ws_reserve", "ws.free": "_ws_free",
-        "eta.program": "_program", "eta.submit": "_submit", "eta.run_ahead": "_run_ahead",
-        "eta.run_ahead_ack": "_run_ahead_ack", "eta.run_ahead_stop": "_run_ahead_stop",
-        "chan.create": "_chan_create", "chan.put": "_chan_put", "chan.put_bits": "_chan_put_bits",
-        "chan.take": "_chan_take",
-        "chan.take_scalar": "_chan_take_scalar", "chan.free": "_chan_free",
-    }
-
-    def _init_eta(self) -> None:
+    def __init__(self, run: RunState) -> None:
+        self.run = run
         self._ws: dict[int, int] = {}                     # working-set handle -> engine sequence
         self._ws_ids = itertools.count(1)
         self._busy: Counter[int] = Counter()              # working-set handle -> passes not finished
@@ -68,12 +60,21 @@ class EtaOps:
         self._channels: dict[int, Inbox] = {}             # subscribed channel -> the values pushed
         self._runs: dict[int, int] = {}                   # run-ahead handle -> its pass request id
         self._run_ids = itertools.count(1)
-        self.passes = 0
-        self.client.on_push = self._on_push
+        run.client.on_push = self._on_push
+
+    def ops(self) -> dict[str, Callable[[Any], Any]]:
+        return {
+            "ws.create": self.ws_create, "ws.fork": self.ws_fork, "ws.state": self.ws_state,
+            "ws.reserve": self.ws_reserve, "ws.free": self.ws_free,
+            "eta.program": self.program, "eta.submit": self.submit, "eta.run_ahead": self.run_ahead,
+            "eta.run_ahead_ack": self.run_ahead_ack, "eta.run_ahead_stop": self.run_ahead_stop,
+            "chan.create": self.chan_create, "chan.put": self.chan_put, "chan.put_bits": self.chan_put_bits,
+            "chan.take": self.chan_take, "chan.take_scalar": self.chan_take_scalar, "chan.free": self.chan_free,
+        }
 
     # ---- working sets -------------------------------------------------------------------------
 
-    def _seq(self, handle) -> int:
+    def _seq(self, handle: Any) -> int:
         seq = self._ws.get(handle) if type(handle) is int else None
         if seq is None:
             raise HostOpError(f"unknown working set {handle!r}")
@@ -84,18 +85,18 @@ class EtaOps:
         self._ws[handle] = seq
         return handle
 
-    def _ws_create(self, args) -> int:
-        return self._new_ws(self._wait(self.client.create()))
+    def ws_create(self, args: Any) -> int:
+        return self._new_ws(self.run.wait(self.run.client.create()))
 
-    def _ws_fork(self, handle) -> int:
+    def ws_fork(self, handle: Any) -> int:
         """A child sharing the prefix the parent has once its passes submitted so far have run."""
         seq = self._seq(handle)
         with self._busy_cond:
             if not self._busy_cond.wait_for(lambda: not self._busy[handle], FORK_WAIT_S):
                 raise HostOpError(f"fork: the working set's passes did not finish in {FORK_WAIT_S:.0f} s")
-        return self._new_ws(self._wait(self.client.fork(seq)))
+        return self._new_ws(self.run.wait(self.run.client.fork(seq)))
 
-    def _ws_free(self, handles) -> None:
+    def ws_free(self, handles: Any) -> None:
         """The guest dropped these working sets: free each once its passes have run."""
         if not isinstance(handles, list):
             raise HostOpError("ws.free takes a list of working-set handles")
@@ -103,17 +104,13 @@ class EtaOps:
             idle = [h for h in handles if h in self._ws and not self._busy[h]]
             self._dropped.update(h for h in handles if h in self._ws and self._busy[h])
         for handle in idle:
-            self.loop.call_soon_threadsafe(self._free_now, handle)
+            self.run.loop.call_soon_threadsafe(self._free_now, handle)
 
     def _free_now(self, handle: int) -> None:
         # loop thread, FIFO after every pass already submitted on it
         seq = self._ws.pop(handle, None)
         if seq is not None:
-            try:
-                _, fut = self.client.start("free", seq=seq)
-            except EngineError:
-                return                    # the connection is gone: the engine freed everything
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self.run.client.start_free(seq)
 
     def _hold(self, handles: list[int]) -> None:
         with self._busy_cond:
@@ -129,28 +126,28 @@ class EtaOps:
         for handle in free:
             self._free_now(handle)
 
-    def _ws_state(self, handle) -> dict:
-        return self._wait(self.client.state(self._seq(handle)))
+    def ws_state(self, handle: Any) -> dict:
+        return self.run.wait(self.run.client.state(self._seq(handle)))
 
-    def _ws_reserve(self, args) -> None:
+    def ws_reserve(self, args: Any) -> None:
         handle, end = args
-        self._wait(self.client.reserve(self._seq(handle), end))
+        self.run.wait(self.run.client.reserve(self._seq(handle), end))
 
     # ---- programs and passes ------------------------------------------------------------------
 
-    def _program(self, ir_text) -> int:
+    def program(self, ir_text: Any) -> int:
         """Register a traced epilogue/prologue; errors in it are reported here, at trace time."""
         if not isinstance(ir_text, str):
             raise HostOpError("eta.program takes the IR as JSON text")
         pid = self._programs.get(ir_text)
         if pid is None:
-            pid = self._programs[ir_text] = self._wait(self.client.program(ir_text))
+            pid = self._programs[ir_text] = self.run.wait(self.run.client.program(ir_text))
             ops = json.loads(ir_text).get("ops", [])
             self._puts[pid] = {op[1][0] for op in ops if op[0] == "put"}
         return pid
 
-    def _pass_fields(self, args) -> tuple[dict[str, Any], list[int]]:
-        """The engine's pass request fields for a guest pass {lanes, epilogue, prologue,
+    def _pass_fields(self, args: Any) -> tuple[dict[str, Any], list[int]]:
+        """The arguments of `EngineClient.start_pass` for a guest pass {lanes, epilogue, prologue,
         adapters}, and the working-set handles of its lanes."""
         lanes_in = args.get("lanes") if isinstance(args, dict) else None
         if not isinstance(lanes_in, list) or not lanes_in:
@@ -164,20 +161,17 @@ class EtaOps:
             if lane.get("chan") is not None:
                 spec["tokens_from"] = lane["chan"]
             lanes.append(spec)
-        fields: dict[str, Any] = {"lanes": lanes}
         pid = args.get("epilogue")
-        fields["epilogue"] = {"kind": "argmax"} if pid is None else {"kind": "program", "id": pid}
-        if args.get("prologue") is not None:
-            fields["prologue"] = args["prologue"]
-        if args.get("adapters"):
-            fields["adapters"] = args["adapters"]
+        fields: dict[str, Any] = {
+            "lanes": lanes, "epilogue": {"kind": "argmax"} if pid is None else {"kind": "program", "id": pid},
+            "prologue": args.get("prologue"), "adapters": args.get("adapters") or None}
         return fields, [lane["ws"] for lane in lanes_in]
 
-    def _submit(self, args) -> int:
+    def submit(self, args: Any) -> int:
         """Queue a pass; returns the future id of its epilogue's result (None without one)."""
         fields, handles = self._pass_fields(args)
         value = _outputs if args.get("epilogue") is not None else _nothing
-        fid = self.futures.new()
+        fid = self.run.futures.new()
         self._send_pass(fields, handles, lambda fut: self._pass_done(fid, fut, value))
         return fid
 
@@ -186,7 +180,6 @@ class EtaOps:
         """Write the pass request on the loop thread, in submission order; `done(future)` when it
         ends (also when it cannot be sent). Its working sets count as busy until then."""
         self._hold(handles)
-        self.passes += 1
 
         def finished(fut) -> None:
             self._release(handles)
@@ -194,30 +187,29 @@ class EtaOps:
 
         def start() -> None:
             try:
-                request_id, fut = self.client.start("pass", **fields)
+                request_id, fut = self.run.client.start_pass(**fields)
             except EngineError as e:
-                fut = self.loop.create_future()
+                fut = self.run.loop.create_future()
                 fut.set_exception(e)
             else:
                 if started is not None:
                     started(request_id)
             fut.add_done_callback(finished)
-        self.loop.call_soon_threadsafe(start)
-
+        self.run.loop.call_soon_threadsafe(start)
 
     def _pass_done(self, fid: int, fut, value: Callable[[Any], Any]) -> None:
         """Complete the guest's future `fid` with `value(result)` of an engine pass request."""
         if fut.cancelled():
-            self._complete(fid, error="the pass was cancelled")
+            self.run.complete(fid, error="the pass was cancelled")
         elif fut.exception() is not None:
             e = fut.exception()
-            self._complete(fid, error=f"{e.type}: {e.message}" if isinstance(e, EngineError) else str(e))
+            self.run.complete(fid, error=f"{e.type}: {e.message}" if isinstance(e, EngineError) else str(e))
         else:
-            self._complete(fid, value=value(fut.result()))
+            self.run.complete(fid, value=value(fut.result()))
 
     # ---- run-ahead ----------------------------------------------------------------------------
 
-    def _run_ahead(self, args) -> dict[str, int]:
+    def run_ahead(self, args: Any) -> dict[str, int]:
         """Start a repeating pass: {"run": handle, "done": future id of the runs kept}."""
         fields, handles = self._pass_fields(args)
         budget, window = args.get("budget"), args.get("window")
@@ -225,79 +217,80 @@ class EtaOps:
             raise HostOpError("run_ahead needs a positive integer budget and window")
         fields["repeat"] = {"budget": budget, "window": window}
         puts = self._puts.get(args.get("epilogue"), set())
-        run, fid = next(self._run_ids), self.futures.new()
+        handle, fid = next(self._run_ids), self.run.futures.new()
+
+        def started(request_id: int) -> None:
+            self._runs[handle] = request_id
 
         def done(fut) -> None:
-            self._runs.pop(run, None)
+            self._runs.pop(handle, None)
             for cid in puts:                      # values of runs past the stop were never read
                 if cid in self._channels:
                     self._channels[cid].clear()
             self._pass_done(fid, fut, int)
 
-        self._send_pass(fields, handles, done, started=lambda request_id: self._runs.__setitem__(run, request_id))
-        return {"run": run, "done": fid}
+        self._send_pass(fields, handles, done, started)
+        return {"run": handle, "done": fid}
 
-    def _run_ahead_ack(self, args) -> None:
+    def run_ahead_ack(self, args: Any) -> None:
         """The guest read `read` tokens: the engine may run further ahead (no reply awaited)."""
-        run, read = args
-        self.loop.call_soon_threadsafe(self._tell_run, run, "repeat_ack", {"read": read})
+        handle, read = args
+        self.run.loop.call_soon_threadsafe(self._tell_run, handle,
+                                           lambda pass_id: self.run.client.repeat_ack(pass_id, read))
 
-    def _run_ahead_stop(self, args) -> None:
+    def run_ahead_stop(self, args: Any) -> None:
         """Stop the run-ahead; runs after the first `keep` are cut off the working sets."""
-        run, keep = args
-        self.loop.call_soon_threadsafe(self._tell_run, run, "repeat_stop", {"keep": keep})
+        handle, keep = args
+        self.run.loop.call_soon_threadsafe(self._tell_run, handle,
+                                           lambda pass_id: self.run.client.repeat_stop(pass_id, keep))
 
-    def _tell_run(self, run: int, op: str, fields: dict) -> None:
+    def _tell_run(self, handle: int, tell: Callable[[int], None]) -> None:
         # loop thread; FIFO after the run's start. A run that ended already needs nothing.
-        pass_id = self._runs.get(run)
-        if pass_id is None:
-            return
-        try:
-            _, fut = self.client.start(op, **{"pass": pass_id, **fields})
-        except EngineError:
-            return
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())   # the run may end meanwhile
+        pass_id = self._runs.get(handle)
+        if pass_id is not None:
+            tell(pass_id)
 
     # ---- channels -----------------------------------------------------------------------------
 
-    def _chan_create(self, args) -> int:
+    def chan_create(self, args: Any) -> int:
         if not isinstance(args, dict):
             raise HostOpError("chan.create takes {shape, dtype, capacity, values}")
-        return self._wait(self.client.call("chan_create", shape=args.get("shape"), dtype=args.get("dtype"),
-                                           capacity=args.get("capacity", 1), values=args.get("values")))
+        return self.run.wait(self.run.client.chan_create(args.get("shape"), args.get("dtype"),
+                                                         args.get("capacity", 1), args.get("values")))
 
-    def _chan_put(self, args) -> None:
+    def chan_put(self, args: Any) -> None:
         cid, value = args
-        self._put(cid, value=value)
+        self._writable(cid)
+        self.run.wait(self.run.client.chan_put(cid, value))
 
-    def _chan_put_bits(self, args) -> None:
+    def chan_put_bits(self, args: Any) -> None:
         """A bool value sent as packed int32 words (bit i % 32 of word i // 32 = element i)."""
         cid, words, n = args
-        self._put(cid, value=words, bits=n)
+        self._writable(cid)
+        self.run.wait(self.run.client.chan_put_bits(cid, words, n))
 
-    def _put(self, cid, **fields) -> None:
+    def _writable(self, cid: Any) -> None:
         if cid in self._channels:
             raise HostOpError(f"channel {cid} is read by the host (take_scalar); the host cannot put into it")
-        self._wait(self.client.call("chan_put", chan=cid, **fields))
 
-    def _chan_take(self, cid) -> Any:
+    def chan_take(self, cid: Any) -> Any:
         inbox = self._channels.get(cid)
         if inbox is None:
-            return self._wait(self.client.call("chan_take", chan=cid))
+            return self.run.wait(self.run.client.chan_take(cid))
         try:
             return inbox.take()
         except LookupError:
             raise HostOpError(f"channel {cid} is empty (await take_scalar() waits for a value)") from None
 
-    def _chan_take_scalar(self, cid) -> int:
+    def chan_take_scalar(self, cid: Any) -> int:
         """A future of the channel's next value (the channel is subscribed on first use)."""
         inbox = self._channels.get(cid)
         if inbox is not None:
             return inbox.receive()
-        inbox = self._channels[cid] = Inbox(self.futures, convert=_scalar)
+        inbox = self._channels[cid] = Inbox(self.run.futures, convert=_scalar)
         fid = inbox.receive()
         try:
-            self._wait(self.client.call("chan_subscribe", chan=cid))
+            self.run.wait(self.run.client.chan_subscribe(cid))
         except HostOpError:
             del self._channels[cid]
             raise
@@ -313,6 +306,6 @@ class EtaOps:
         else:
             inbox.put(message.get("value"))
 
-    def _chan_free(self, cid) -> None:
+    def chan_free(self, cid: Any) -> None:
         self._channels.pop(cid, None)
-        self._wait(self.client.call("chan_free", chan=cid))
+        self.run.wait(self.run.client.chan_free(cid))

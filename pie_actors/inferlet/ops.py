@@ -1,150 +1,90 @@
 """The host of one inferlet run: `InferletHost`, the HostApi behind the guest SDK's calls.
 
-It owns an asyncio loop thread with one `EngineClient` connection to the engine's data plane (so
-every sequence the run creates is freed when the connection closes, however the run ends), the
-model's host-side `Tokenizer` and chat template, and (through its mixins) the run's working sets,
-programs and channels. What the run streams (`session.send`, `session.send_file`) goes to `emit`
-as events.
+It builds the run's `RunState` (run_state.py: the engine connection, futures, tokenizer...) and
+one glue object per host interface on it, and dispatches each guest call through the one table
+of their ops built here. What the run streams (`session.send`, `session.send_file`) goes to
+`emit` as events.
 
-Host operations (the guest SDK's calls; see sdk/inferlet/), by mixin:
-    model.info / model.encode / model.decode                          (here)
-    chat.*                                                            (chat_ops.py)
-    ws.*, eta.program / submit / run_ahead..., chan.*                  (eta_ops.py)
-    session.receive / receive_file / send_file / file / send_to       (session_ops.py)
+Host operations (the guest SDK's calls; see sdk/inferlet/), by glue class:
+    model.info / model.encode / model.decode                          ModelOps      (model_ops.py)
+    chat.*                                                            ChatOps       (chat_ops.py)
+    grammar.*, tools.*, reasoning.*                 GrammarOps, ToolOps, ReasoningOps (structured_ops.py)
+    ws.*, eta.program / submit / run_ahead..., chan.*                 EtaOps        (eta_ops.py)
+    session.receive / receive_file / send_file / file / send_to       SessionOps    (session_ops.py)
 """
 from __future__ import annotations
 
-import asyncio
-import threading
-from functools import lru_cache
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from ..config import RunLimits
-from ..gpu.engine import wire
 from ..process import Event, Send
 from .chat_ops import ChatOps
-from .engine_client import EngineClient, EngineError
 from .eta_ops import EtaOps
-from .host import HostApi, HostOpError, InferletError
+from .host import HostApi, InferletError
+from .model_ops import ModelOps
+from .run_state import RunState
 from .session_ops import SessionOps
+from .structured_ops import GrammarOps, HandleTable, ReasoningOps, ToolOps
 
-__all__ = ["InferletHost"]
+__all__ = ["InferletHost", "op_table"]
 
-FRAME_SIZE = 1               # passes per scheduler frame, as model.frame_size() reports it
-CONNECT_TIMEOUT_S = 30.0
-
-
-@lru_cache(maxsize=8)
-def _tokenizer(model_dir: str):
-    from ..tokenizer import Tokenizer   # tokenizers + jinja2 only, no torch
-
-    return Tokenizer.from_dir(model_dir)
+HostOp = Callable[[Any], Any]
 
 
-# ---------------------------------------------------------------------------------------------
-# the host of one run
+class HostGlue(Protocol):
+    """One host interface: its ops by the name the guest SDK calls them."""
 
-class InferletHost(ChatOps, SessionOps, EtaOps, HostApi):
+    def ops(self) -> dict[str, HostOp]: ...
+
+
+def op_table(*glues: HostGlue) -> dict[str, HostOp]:
+    """The ops of all `glues` in one table; two interfaces claiming one name is a bug."""
+    table: dict[str, HostOp] = {}
+    for glue in glues:
+        for name, op in glue.ops().items():
+            if name in table:
+                raise ValueError(f"host operation {name!r} is defined by both "
+                                 f"{type(table[name].__self__).__name__} and {type(glue).__name__}")
+            table[name] = op
+    return table
+
+
+class InferletHost(HostApi):
     """Host operations of one inferlet run, connected to the engine at `engine_address`."""
 
     def __init__(self, engine_address: tuple[str, int], *, limits: RunLimits, emit: Callable[[Event], None],
                  files: dict[str, bytes] | None = None,
                  send_to: Callable[[str, Any], None] | None = None) -> None:
         super().__init__()
-        self.limits, self.emit = limits, emit
-        self._init_session(files, send_to)
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run_loop, name="inferlet-host", daemon=True)
-        self._thread.start()
-        self._closed = False
+        self.state = RunState(engine_address, futures=self.futures, limits=limits, emit=emit)
         try:
-            self.client: EngineClient = self._wait(EngineClient.connect(*engine_address), CONNECT_TIMEOUT_S)
-            self.info: wire.Info = self._wait(self.client.info(), CONNECT_TIMEOUT_S)
+            self.session = SessionOps(self.state, files, send_to)
+            handles = HandleTable()     # one table: tools.grammar makes grammars for grammar.matcher
+            self._ops = op_table(
+                ModelOps(self.state), ChatOps(self.state), GrammarOps(self.state, handles),
+                ToolOps(self.state, handles), ReasoningOps(self.state, handles), EtaOps(self.state),
+                self.session)
         except BaseException:
-            self._stop_loop()
+            self.state.close()
             raise
-        self.model_dir = self.info["model_dir"]
-        self._tok = None
-        self._init_eta()
-
-    # -- plumbing -------------------------------------------------------------------------------
-
-    def _run_loop(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-        self.loop.close()
-
-    def _wait(self, coro, timeout: float | None = CONNECT_TIMEOUT_S):
-        """Run `coro` on the loop thread and wait for its result (blocking host operations)."""
-        try:
-            return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-        except EngineError as e:
-            raise HostOpError(f"{e.type}: {e.message}") from None
-
-    def _stop_loop(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
-
-    @property
-    def tok(self):
-        if self._tok is None:
-            self._tok = _tokenizer(self.model_dir)
-        return self._tok
-
-    # -- HostApi --------------------------------------------------------------------------------
-
-    def send(self, message: str) -> None:
-        self.emit(Send(message))
 
     def call(self, op: str, args: Any) -> Any:
-        name = self._OPS.get(op)
-        if name is None:
-            return super().call(op, args)
-        return getattr(self, name)(args)
+        handler = self._ops.get(op)
+        if handler is None:
+            return super().call(op, args)      # the "unknown host operation" error
+        return handler(args)
+
+    def send(self, message: str) -> None:
+        self.state.emit(Send(message))
+
+    def deliver(self, message: Any) -> None:
+        """A message for `session.receive` (from the client or another process; any thread)."""
+        self.session.deliver(message)
+
+    def deliver_file(self, data: bytes) -> None:
+        """Binary data for `session.receive_file` (any thread)."""
+        self.session.deliver_file(data)
 
     def on_exit(self, error: InferletError | None) -> None:
         """Close the engine connection: the engine frees every sequence of the run."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._wait(self.client.close(), 10)
-        finally:
-            self._stop_loop()
-
-    # -- model ----------------------------------------------------------------------------------
-
-    def _model_info(self, args) -> dict:
-        info = self.info
-        return {"name": info["model"], "architecture": info["architecture"],
-                "output_vocab_size": info["vocab_size"], "kv_page_size": info["page_size"],
-                "frame_size": FRAME_SIZE, "channel_capacity": self.limits.channel_capacity,
-                "run_ahead_window": self.limits.run_ahead_window, "max_position": info["max_position"]}
-
-    def _encode(self, text) -> list[int]:
-        if not isinstance(text, str):
-            raise HostOpError("model.encode takes a string")
-        return self.tok.encode(text)
-
-    def _decode(self, tokens) -> str:
-        if not isinstance(tokens, list) or any(type(t) is not int for t in tokens):
-            raise HostOpError("model.decode takes a list of token ids")
-        try:
-            return self.tok.decode(tokens)
-        except ValueError as e:
-            raise HostOpError(str(e)) from None
-
-    def _complete(self, fid: int, value: Any = None, error: str | None = None) -> None:
-        try:
-            if error is not None:
-                self.futures.fail(fid, error)
-            else:
-                self.futures.resolve(fid, value)
-        except KeyError:
-            pass   # the run is over; nobody waits for it
-
-    # op -> method name (looked up on the instance, so subclasses can override a handler)
-    _OPS: dict[str, str] = {**ChatOps.CHAT_OPS, **SessionOps.SESSION_OPS, **EtaOps.ETA_OPS,
-        "model.info": "_model_info", "model.encode": "_encode", "model.decode": "_decode",
-    }
+        self.state.close()

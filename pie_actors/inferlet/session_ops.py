@@ -1,9 +1,11 @@
-"""The `session.*` host operations: talking to the client and to other inferlet processes.
+"""The `session.*` host operations (`SessionOps`): talking to the client and to other inferlet processes.
 
-Text goes to the client through the WIT `send` import (`HostApi.send`); everything else is a host
-operation here. Binary data crosses the JSON boundary as base64 text. Messages reach a run from
-any thread (its client, or another process's `send_to`) through `deliver` / `deliver_file` and are
-handed, in order, to the guest's pending `receive` / `receive_file` futures.
+It receives the run's `RunState` (for its futures and `emit`), the files attached to the run and
+the `send_to` of named processes. Text goes to the client through the WIT `send` import
+(`HostApi.send`); everything else is a host operation here. Binary data crosses the JSON boundary
+as base64 text. Messages reach a run from any thread (its client, or another process's `send_to`)
+through `deliver` / `deliver_file` and are handed, in order, to the guest's pending `receive` /
+`receive_file` futures.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any, Callable
 
 from ..process import File
 from .host import HostOpError, Inbox
+from .run_state import RunState
 
 __all__ = ["SessionOps"]
 
@@ -30,20 +33,18 @@ def _unb64(text: Any, what: str) -> bytes:
 
 
 class SessionOps:
-    """Mixin of InferletHost; call `_init_session` from the host's __init__."""
-
-    SESSION_OPS: dict[str, str] = {
-        "session.receive": "_session_receive", "session.receive_file": "_session_receive_file",
-        "session.send_file": "_session_send_file", "session.file": "_session_file",
-        "session.send_to": "_session_send_to",
-    }
-
-    def _init_session(self, files: dict[str, bytes] | None,
-                      send_to: Callable[[str, Any], None] | None) -> None:
+    def __init__(self, run: RunState, files: dict[str, bytes] | None,
+                 send_to: Callable[[str, Any], None] | None) -> None:
+        self.run = run
         self.files = dict(files or {})
         self.send_to = send_to
-        self.inbox = Inbox(self.futures)
-        self.file_inbox = Inbox(self.futures)
+        self.inbox = Inbox(run.futures)
+        self.file_inbox = Inbox(run.futures)
+
+    def ops(self) -> dict[str, Callable[[Any], Any]]:
+        return {"session.receive": self.receive, "session.receive_file": self.receive_file,
+                "session.send_file": self.send_file, "session.file": self.file,
+                "session.send_to": self.send_message_to}
 
     def deliver(self, message: Any) -> None:
         """A message for `session.receive` (from the client or another process; any thread)."""
@@ -53,24 +54,23 @@ class SessionOps:
         """Binary data for `session.receive_file` (any thread)."""
         self.file_inbox.put(_b64(data))
 
-    def _session_receive(self, args) -> int:
+    def receive(self, args: Any) -> int:
         return self.inbox.receive()
 
-    def _session_receive_file(self, args) -> int:
+    def receive_file(self, args: Any) -> int:
         return self.file_inbox.receive()
 
-    def _session_send_file(self, data) -> None:
-        blob = _unb64(data, "session.send_file")
-        self.emit(File(blob))
+    def send_file(self, data: Any) -> None:
+        self.run.emit(File(_unb64(data, "session.send_file")))
 
-    def _session_file(self, name) -> str:
+    def file(self, name: Any) -> str:
         if name not in self.files:
             attached = ", ".join(sorted(self.files)) or "none"
             raise HostOpError(f"no file named {name!r} was attached (attached: {attached}; "
                               "attach files with pie run --file name=path)")
         return _b64(self.files[name])
 
-    def _session_send_to(self, args) -> None:
+    def send_message_to(self, args: Any) -> None:
         if not (isinstance(args, list) and len(args) == 2 and isinstance(args[0], str)):
             raise HostOpError("session.send_to takes a process name and a message")
         if self.send_to is None:

@@ -1,9 +1,9 @@
-"""The `grammar.*`, `tools.*` and `reasoning.*` host operations (mixins of InferletHost via ChatOps).
+"""The `grammar.*`, `tools.*` and `reasoning.*` host operations: `GrammarOps`, `ToolOps`, `ReasoningOps`.
 
-The guest SDK holds integer handles; the grammars, matchers and decoders live here in a
-per-run table (created on first use: the host object is one run). The mixins need the host's
-`tok` (the model's Tokenizer) and `chat` (its ChatTokens, from ChatOps); the model's output
-vocabulary comes from `info["vocab_size"]` when the host has it.
+Each receives the run's `RunState` (for `tok`, the model's Tokenizer, `chat`, its ChatTokens, and
+`info["vocab_size"]`, the model's output vocabulary) and the run's one `HandleTable`: the guest SDK
+holds integer handles, and the grammars, matchers and decoders behind them live there, whichever
+interface made them (`tools.grammar` makes a grammar for `grammar.matcher`).
 
     grammar.compile [kind, source] -> grammar     kind: json_schema | regex | ebnf | json
     grammar.matcher grammar -> matcher
@@ -26,9 +26,10 @@ from typing import Any, Callable
 from .grammar import Grammar, GrammarCompiler, Matcher
 from .host import HostOpError
 from .reasoning import ReasoningDecoder
+from .run_state import RunState
 from .tools import ToolCallDecoder, ToolFormat
 
-__all__ = ["GrammarOps", "ToolOps", "ReasoningOps"]
+__all__ = ["HandleTable", "GrammarOps", "ToolOps", "ReasoningOps"]
 
 
 def _clean_errors(op: Callable) -> Callable:
@@ -62,137 +63,145 @@ def _compiler(tokenizer, vocab_size: int, stop_tokens: tuple[int, ...]) -> Gramm
     return GrammarCompiler(tokenizer, vocab_size, list(stop_tokens))   # ~0.2 s: once per model
 
 
-class HandleOps:
-    """The per-run table behind the guest's handles."""
+def grammar_compiler(run: RunState) -> GrammarCompiler:
+    """The model's grammar compiler: masks as wide as the output vocabulary, stopping on the chat
+    template's end-of-turn tokens when it has one."""
+    tok = run.tok
+    stops = run.chat.stop_tokens() if tok.chat_template is not None else tok.eos_ids
+    return _compiler(tok, max(tok.vocab_size, run.info.get("vocab_size", 0)), tuple(stops))
 
-    def _handle_table(self) -> dict[int, Any]:
-        table = getattr(self, "_sdk_handles", None)
-        if table is None:
-            table = self._sdk_handles = {}
-        return table
 
-    def _handle_put(self, obj: Any) -> int:
-        table = self._handle_table()
-        handle = len(table) + 1
-        table[handle] = obj
+class HandleTable:
+    """The objects behind the guest's handles, for one run."""
+
+    def __init__(self) -> None:
+        self._objects: dict[int, Any] = {}
+
+    def put(self, obj: Any) -> int:
+        handle = len(self._objects) + 1
+        self._objects[handle] = obj
         return handle
 
-    def _handle_get(self, handle: Any, kind: type, what: str) -> Any:
-        obj = self._handle_table().get(handle) if type(handle) is int else None
+    def get(self, handle: Any, kind: type, what: str) -> Any:
+        """The object of `handle`, which must be a `kind` (`what` names it in the error)."""
+        obj = self._objects.get(handle) if type(handle) is int else None
         if not isinstance(obj, kind):
             raise HostOpError(f"unknown {what} {handle!r}")
         return obj
 
 
-class GrammarOps(HandleOps):
-    GRAMMAR_OPS: dict[str, str] = {
-        "grammar.compile": "_grammar_compile", "grammar.matcher": "_grammar_matcher",
-        "grammar.mask": "_grammar_mask", "grammar.accept": "_grammar_accept",
-        "grammar.is_terminated": "_grammar_is_terminated", "grammar.fork": "_grammar_fork",
-        "grammar.rollback": "_grammar_rollback", "grammar.reset": "_grammar_reset",
-    }
+class GrammarOps:
+    def __init__(self, run: RunState, handles: HandleTable) -> None:
+        self.run, self.handles = run, handles
 
-    def grammar_compiler(self) -> GrammarCompiler:
-        info = getattr(self, "info", None) or {}
-        tok = self.tok
-        stops = self.chat.stop_tokens() if tok.chat_template is not None else tok.eos_ids
-        return _compiler(tok, max(tok.vocab_size, info.get("vocab_size", 0)), tuple(stops))
+    def ops(self) -> dict[str, Callable[[Any], Any]]:
+        return {
+            "grammar.compile": self.compile, "grammar.matcher": self.matcher, "grammar.mask": self.mask,
+            "grammar.accept": self.accept, "grammar.is_terminated": self.is_terminated,
+            "grammar.fork": self.fork, "grammar.rollback": self.rollback, "grammar.reset": self.reset,
+        }
 
     def _matcher(self, handle: Any) -> Matcher:
-        return self._handle_get(handle, Matcher, "matcher")
+        return self.handles.get(handle, Matcher, "matcher")
 
     @_clean_errors
-    def _grammar_compile(self, args) -> int:
+    def compile(self, args: Any) -> int:
         kind, source = _pair(args, "grammar.compile")
-        compiler = self.grammar_compiler()
+        compiler = grammar_compiler(self.run)
         build = {"json_schema": compiler.json_schema, "regex": compiler.regex, "ebnf": compiler.ebnf}
         if kind == "json":
-            return self._handle_put(compiler.any_json())
+            return self.handles.put(compiler.any_json())
         if kind not in build:
             raise HostOpError(f"unknown grammar kind {kind!r}")
-        return self._handle_put(build[kind](source))
+        return self.handles.put(build[kind](source))
 
     @_clean_errors
-    def _grammar_matcher(self, handle) -> int:
-        return self._handle_put(Matcher(self._handle_get(handle, Grammar, "grammar")))
+    def matcher(self, handle: Any) -> int:
+        return self.handles.put(Matcher(self.handles.get(handle, Grammar, "grammar")))
 
     @_clean_errors
-    def _grammar_mask(self, handle) -> list[int]:
+    def mask(self, handle: Any) -> list[int]:
         return self._matcher(handle).mask()
 
     @_clean_errors
-    def _grammar_accept(self, args) -> bool:
+    def accept(self, args: Any) -> bool:
         handle, tokens = _pair(args, "grammar.accept")
         return self._matcher(handle).accept_tokens(_tokens(tokens, "grammar.accept"))
 
     @_clean_errors
-    def _grammar_is_terminated(self, handle) -> bool:
+    def is_terminated(self, handle: Any) -> bool:
         return self._matcher(handle).is_terminated()
 
     @_clean_errors
-    def _grammar_fork(self, handle) -> int:
-        return self._handle_put(self._matcher(handle).fork())
+    def fork(self, handle: Any) -> int:
+        return self.handles.put(self._matcher(handle).fork())
 
     @_clean_errors
-    def _grammar_rollback(self, args) -> None:
+    def rollback(self, args: Any) -> None:
         handle, n = _pair(args, "grammar.rollback")
         self._matcher(handle).rollback(n)
 
     @_clean_errors
-    def _grammar_reset(self, handle) -> None:
+    def reset(self, handle: Any) -> None:
         self._matcher(handle).reset()
 
 
-class ToolOps(GrammarOps):
-    TOOL_OPS: dict[str, str] = {
-        "tools.equip": "_tools_equip", "tools.answer": "_tools_answer", "tools.grammar": "_tools_grammar",
-        "tools.decoder": "_tools_decoder", "tools.feed": "_tools_feed", "tools.finish": "_tools_finish",
-    }
+class ToolOps:
+    def __init__(self, run: RunState, handles: HandleTable) -> None:
+        self.run, self.handles = run, handles
 
-    def tool_format(self) -> ToolFormat:
-        return ToolFormat(self.chat.source)
+    def ops(self) -> dict[str, Callable[[Any], Any]]:
+        return {"tools.equip": self.equip, "tools.answer": self.answer, "tools.grammar": self.grammar,
+                "tools.decoder": self.decoder, "tools.feed": self.feed, "tools.finish": self.finish}
+
+    def _format(self) -> ToolFormat:
+        return ToolFormat(self.run.chat.source)
 
     @_clean_errors
-    def _tools_equip(self, args) -> list[int]:
+    def equip(self, args: Any) -> list[int]:
         if not isinstance(args, dict):
             raise HostOpError('tools.equip takes {"specs": [...], "system": text or null}')
         system = args.get("system")
         if system is not None and not isinstance(system, str):
             raise HostOpError("tools.equip: system must be text")
-        return self.tool_format().equip(self.chat, args.get("specs"), system)
+        return self._format().equip(self.run.chat, args.get("specs"), system)
 
     @_clean_errors
-    def _tools_answer(self, args) -> list[int]:
+    def answer(self, args: Any) -> list[int]:
         name, value = _pair(args, "tools.answer")
-        return self.tool_format().answer(self.chat, name, value)
+        return self._format().answer(self.run.chat, name, value)
 
     @_clean_errors
-    def _tools_grammar(self, specs) -> int:
-        return self._handle_put(self.grammar_compiler().lark(self.tool_format().grammar(specs, self.tok)))
+    def grammar(self, specs: Any) -> int:
+        return self.handles.put(grammar_compiler(self.run).lark(self._format().grammar(specs, self.run.tok)))
 
     @_clean_errors
-    def _tools_decoder(self, args) -> int:
-        return self._handle_put(ToolCallDecoder(self.tok, self.tool_format().family))
+    def decoder(self, args: Any) -> int:
+        return self.handles.put(ToolCallDecoder(self.run.tok, self._format().family))
 
     @_clean_errors
-    def _tools_feed(self, args) -> list[dict]:
+    def feed(self, args: Any) -> list[dict]:
         handle, tokens = _pair(args, "tools.feed")
-        return self._handle_get(handle, ToolCallDecoder, "tool decoder").feed(_tokens(tokens, "tools.feed"))
+        return self.handles.get(handle, ToolCallDecoder, "tool decoder").feed(_tokens(tokens, "tools.feed"))
 
     @_clean_errors
-    def _tools_finish(self, handle) -> list[dict]:
-        return self._handle_get(handle, ToolCallDecoder, "tool decoder").finish()
+    def finish(self, handle: Any) -> list[dict]:
+        return self.handles.get(handle, ToolCallDecoder, "tool decoder").finish()
 
 
-class ReasoningOps(HandleOps):
-    REASONING_OPS: dict[str, str] = {"reasoning.decoder": "_reasoning_decoder",
-                                     "reasoning.feed": "_reasoning_feed"}
+class ReasoningOps:
+    def __init__(self, run: RunState, handles: HandleTable) -> None:
+        self.run, self.handles = run, handles
+
+    def ops(self) -> dict[str, Callable[[Any], Any]]:
+        return {"reasoning.decoder": self.decoder, "reasoning.feed": self.feed}
 
     @_clean_errors
-    def _reasoning_decoder(self, cue) -> int:
-        return self._handle_put(ReasoningDecoder.for_cue(self.tok, _tokens(cue, "reasoning.decoder")))
+    def decoder(self, cue: Any) -> int:
+        return self.handles.put(ReasoningDecoder.for_cue(self.run.tok, _tokens(cue, "reasoning.decoder")))
 
     @_clean_errors
-    def _reasoning_feed(self, args) -> list[dict]:
+    def feed(self, args: Any) -> list[dict]:
         handle, tokens = _pair(args, "reasoning.feed")
-        return self._handle_get(handle, ReasoningDecoder, "reasoning decoder").feed(_tokens(tokens, "reasoning.feed"))
+        decoder = self.handles.get(handle, ReasoningDecoder, "reasoning decoder")
+        return decoder.feed(_tokens(tokens, "reasoning.feed"))

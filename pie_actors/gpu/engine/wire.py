@@ -15,11 +15,13 @@ Requests (op: fields -> result):
     seq_state: seq -> SeqState
     reserve:   seq, end -> None; pages for local slots [0, end), for explicit-geometry passes
     pass:      lanes: [LaneSpec], epilogue: {"kind": ...}, [prologue: program id],
-               [repeat: {"budget": n, "window": w}] -> the epilogue's output (a repeating pass:
-               the number of runs kept, when it ends)
+               [adapters: [[site, program id]]], [repeat: {"budget": n, "window": w}]
+               -> the epilogue's output (a repeating pass: the number of runs kept, when it ends)
     program:   ir (the JSON text of an eta program) -> program id on this connection
     chan_create: shape, dtype, [capacity], [values] -> channel id (owned by the connection)
-    chan_put:  chan, value -> None          chan_take: chan -> value (error when empty)
+    chan_put:  chan, value, [bits: n] -> None; with bits, value is a bool of n elements packed
+               in int32 words (element i: bit i % 32 of word i // 32)
+    chan_take: chan -> value (error when empty)
     chan_subscribe: chan -> None; from now on values put into it are pushed (below)
     chan_free: chan -> None
     repeat_ack:  pass (the repeating pass's request id), read -> None: `read` runs' outputs were read
@@ -55,8 +57,6 @@ HEADER = struct.Struct(">I")
 MAX_FRAME = 64 << 20
 TENSOR_EXT = 1
 
-OPS = ("info", "create", "fork", "free", "seq_state", "reserve", "pass", "program", "chan_create",
-       "chan_put", "chan_take", "chan_subscribe", "chan_free", "repeat_ack", "repeat_stop", "stats")
 ARGMAX = {"kind": "argmax"}
 LOGITS = {"kind": "logits"}
 

@@ -1,0 +1,110 @@
+"""`RunState`: what the host-glue classes of one inferlet run (the *_ops.py modules) share.
+
+The engine connection (an `EngineClient` on a loop thread of its own, so every sequence the run
+creates is freed when it closes, however the run ends), the run's `FutureTable`, the engine's
+`info`, the run's limits, where its Send / File events go, and the model's tokenizer and chat
+pieces. Nothing else is shared between the glue classes.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, Callable, Coroutine
+
+from ..config import RunLimits
+from ..gpu.engine import wire
+from ..process import Event
+from .chat_ops import ChatTokens, chat_tokens
+from .engine_client import EngineClient, EngineError
+from .host import FutureTable, HostOpError
+
+if TYPE_CHECKING:
+    from ..tokenizer import Tokenizer
+
+__all__ = ["RunState", "CONNECT_TIMEOUT_S"]
+
+CONNECT_TIMEOUT_S = 30.0
+CLOSE_TIMEOUT_S = 10.0
+
+
+@lru_cache(maxsize=8)
+def _tokenizer(model_dir: str) -> Tokenizer:
+    from ..tokenizer import Tokenizer   # tokenizers + jinja2 only (no torch), loaded when first needed
+
+    return Tokenizer.from_dir(model_dir)     # once per model: the runs of a process share it
+
+
+class RunState:
+    """The state of one run that several host interfaces need; `close()` ends its connection."""
+
+    def __init__(self, engine_address: tuple[str, int], *, futures: FutureTable, limits: RunLimits,
+                 emit: Callable[[Event], None]) -> None:
+        self.futures, self.limits, self.emit = futures, limits, emit
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="inferlet-host", daemon=True)
+        self._thread.start()
+        self._closed = False
+        try:
+            self.client: EngineClient = self.wait(EngineClient.connect(*engine_address), CONNECT_TIMEOUT_S)
+            self.info: wire.Info = self.wait(self.client.info(), CONNECT_TIMEOUT_S)
+        except BaseException:
+            self._stop_loop()
+            raise
+        self._tok: Tokenizer | None = None
+
+    # -- the engine connection ------------------------------------------------------------------
+
+    def wait(self, coro: Coroutine[Any, Any, Any], timeout: float | None = CONNECT_TIMEOUT_S) -> Any:
+        """Run `coro` on the loop thread and wait for its result (blocking host operations); an
+        engine error becomes the guest's HostError."""
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        except EngineError as e:
+            raise HostOpError(f"{e.type}: {e.message}") from None
+
+    def close(self) -> None:
+        """Close the engine connection (the engine frees every sequence of the run) and the loop."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait(self.client.close(), CLOSE_TIMEOUT_S)
+        finally:
+            self._stop_loop()
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+        self.loop.close()
+
+    def _stop_loop(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+    # -- the model's text side ------------------------------------------------------------------
+
+    @property
+    def tok(self) -> Tokenizer:
+        """The model's tokenizer, loaded on first use (runs that never encode do not pay for it)."""
+        if self._tok is None:
+            self._tok = _tokenizer(self.info["model_dir"])
+        return self._tok
+
+    @property
+    def chat(self) -> ChatTokens:
+        """The token ids of conversation pieces in the model's chat template."""
+        return chat_tokens(self.tok)
+
+    # -- guest futures --------------------------------------------------------------------------
+
+    def complete(self, fid: int, value: Any = None, error: str | None = None) -> None:
+        """Resolve guest future `fid` with `value`, or fail it with `error` (from any thread)."""
+        try:
+            if error is not None:
+                self.futures.fail(fid, error)
+            else:
+                self.futures.resolve(fid, value)
+        except KeyError:
+            pass   # the run is over; nobody waits for it
