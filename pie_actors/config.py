@@ -63,6 +63,9 @@ class EngineConfig:
     amx_gemm_edits: bool = _doc("CPU with AMX, compiled decode: prefetch and cache-hint edits to "
                                 "inductor's AMX GEMM template (bench/RESULTS.md); ignored elsewhere",
                                 default=True)
+    wait_for_programs: bool = _doc("hold the next batch briefly for programs whose passes the last one "
+                                   "answered (scheduler.py: keeps one-pass-per-token programs in one batch)",
+                                   default=True)
     max_programs: int = _doc("eta programs (traced epilogues) one inferlet run may register", default=4096)
     channel_memory_mb: int = _doc("engine memory all channels together may reserve", default=256)
 

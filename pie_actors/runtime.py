@@ -72,6 +72,11 @@ class Runtime:
         return self._backend.stats()
 
     @property
+    def engine_address(self) -> tuple[str, int]:
+        """The engine's data-plane address (for EngineClient connections)."""
+        return self._backend.address
+
+    @property
     def engine(self):
         """The in-process Engine (Runtime.local only), for tests and benchmarks that look inside."""
         if not isinstance(self._backend, _Local):

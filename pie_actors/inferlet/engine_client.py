@@ -120,6 +120,11 @@ class EngineClient:
         return self.start("pass", lanes=lanes, epilogue=epilogue,
                           **{k: v for k, v in optional.items() if v is not None})
 
+    def idle(self) -> None:
+        """Tell the engine this program now waits on something else: its next batch need not
+        wait for this connection's next pass."""
+        self._send_only("idle")
+
     def repeat_ack(self, pass_id: int, read: int) -> None:
         """The outputs of `read` runs of repeating pass `pass_id` were read: it may run further ahead."""
         self._send_only("repeat_ack", **{"pass": pass_id, "read": read})

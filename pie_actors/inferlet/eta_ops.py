@@ -60,6 +60,8 @@ class EtaOps:
         self._channels: dict[int, Inbox] = {}             # subscribed channel -> the values pushed
         self._runs: dict[int, int] = {}                   # run-ahead handle -> its pass request id
         self._run_ids = itertools.count(1)
+        self._in_flight = 0                               # passes sent and not finished
+        self._told_idle = False                           # the engine knows we wait on something else
         run.client.on_push = self._on_push
 
     def ops(self) -> dict[str, Callable[[Any], Any]]:
@@ -126,6 +128,15 @@ class EtaOps:
         for handle in free:
             self._free_now(handle)
 
+    def guest_waits(self) -> None:
+        """The guest blocks with no pass in flight: it waits on a message, a tool, a timer or its
+        client, so the engine's next batch must not wait for it (once per such wait)."""
+        with self._busy_cond:
+            if self._in_flight or self._told_idle:
+                return
+            self._told_idle = True
+        self.run.loop.call_soon_threadsafe(self.run.client.idle)
+
     def ws_state(self, handle: Any) -> dict:
         return self.run.wait(self.run.client.state(self._seq(handle)))
 
@@ -180,8 +191,13 @@ class EtaOps:
         """Write the pass request on the loop thread, in submission order; `done(future)` when it
         ends (also when it cannot be sent). Its working sets count as busy until then."""
         self._hold(handles)
+        with self._busy_cond:
+            self._in_flight += 1
+            self._told_idle = False
 
         def finished(fut) -> None:
+            with self._busy_cond:
+                self._in_flight -= 1
             self._release(handles)
             done(fut)
 

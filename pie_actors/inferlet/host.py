@@ -251,6 +251,9 @@ class HostApi:
     def send(self, message: str) -> None:
         pass
 
+    def on_wait(self) -> None:
+        """The guest is about to block until a host future completes (or a timer fires)."""
+
     def output(self, stream: str, data: bytes) -> None:
         """The guest wrote to stdout/stderr (print). Default: onto this process's stderr."""
         sys.stderr.write(data.decode("utf-8", "replace"))
@@ -357,7 +360,11 @@ def _wait_any(run: _Run, ids: str, timeout_ms: int) -> str:
     if left <= 0 or run.api.cancelled is not None:
         raise _Deadline()
     wait = left if timeout_ms == NO_TIMEOUT_MS else min(left, timeout_ms / 1000)
-    done = run.api.futures.wait_any(json.loads(ids), wait)
+    ids = json.loads(ids)
+    done = run.api.futures.poll(ids)
+    if not done:
+        run.api.on_wait()
+        done = run.api.futures.wait_any(ids, wait)
     if run.api.cancelled is not None or (not done and time.monotonic() >= run.deadline):
         raise _Deadline()
     return _dumps({str(k): v for k, v in done.items()})

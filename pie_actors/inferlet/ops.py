@@ -59,11 +59,11 @@ class InferletHost(HostApi):
         self.state = RunState(engine_address, futures=self.futures, limits=limits, emit=emit)
         try:
             self.session = SessionOps(self.state, files, send_to)
+            self.eta = EtaOps(self.state)
             handles = HandleTable()     # one table: tools.grammar makes grammars for grammar.matcher
             self._ops = op_table(
                 ModelOps(self.state), ChatOps(self.state), GrammarOps(self.state, handles),
-                ToolOps(self.state, handles), ReasoningOps(self.state, handles), EtaOps(self.state),
-                self.session)
+                ToolOps(self.state, handles), ReasoningOps(self.state, handles), self.eta, self.session)
         except BaseException:
             self.state.close()
             raise
@@ -76,6 +76,9 @@ class InferletHost(HostApi):
 
     def send(self, message: str) -> None:
         self.state.emit(Send(message))
+
+    def on_wait(self) -> None:
+        self.eta.guest_waits()
 
     def deliver(self, message: Any) -> None:
         """A message for `session.receive` (from the client or another process; any thread)."""

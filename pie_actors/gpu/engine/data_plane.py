@@ -11,6 +11,7 @@ what returns all of an inferlet's KV pages. Bad input fails its request only, ne
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 from concurrent.futures import Future
@@ -75,7 +76,7 @@ def _optional(check: Callable[[Any, str], Any], value: Any, what: str) -> Any:
 
 # op -> (required fields, optional fields)
 _FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "info": ((), ()), "create": ((), ()), "stats": ((), ()), "fork": (("seq",), ()),
+    "info": ((), ()), "create": ((), ()), "stats": ((), ()), "idle": ((), ()), "fork": (("seq",), ()),
     "free": (("seq",), ()), "seq_state": (("seq",), ()), "reserve": (("seq", "end"), ()),
     "pass": (("lanes", "epilogue"), ("prologue", "repeat", "adapters")),
     "program": (("ir",), ()),
@@ -109,6 +110,7 @@ class EngineServer:
             "eos_ids": list(engine.tokenizer.eos_ids if engine.tokenizer else cfg.eos_token_ids)}
         self.address: tuple[str, int] | None = None
         self.requests = 0                          # frames received, all connections together
+        self._ids = itertools.count(1)             # connection ids: the owners of their passes
         self._connections: set[_Connection] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -135,6 +137,8 @@ class EngineServer:
         # dict() of a Counter copies in C under the GIL: safe while the engine thread increments it
         programs = self.engine.programs
         return {"batch_sizes": dict(self.engine.batch_sizes), "kv": kv,
+                "decode_batch_sizes": dict(self.engine.decode_batch_sizes),
+                "hold": self.engine.scheduler.arrivals.stats(),
                 "programs": {"compiled": programs.misses, "cache_hits": programs.hits},
                 "channels": len(self.engine.channels), "requests": self.requests,
                 "connections": len(self._connections),
@@ -195,6 +199,7 @@ class _Connection:
         self.writer = writer
         self.loop = asyncio.get_running_loop()
         self.task = asyncio.current_task()
+        self.id = next(server._ids)
         self.owned: set[int] = set()                  # sequences
         self.channels: set[int] = set()
         self.programs: list[Program] = []             # registered eta programs, by id
@@ -249,6 +254,9 @@ class _Connection:
     def _op_stats(self, msg: dict[str, Any]) -> wire.Stats:
         return self.server.stats()
 
+    def _op_idle(self, msg: dict[str, Any]) -> None:
+        self.engine.idle(self.id)
+
     def _op_create(self, msg: dict[str, Any]) -> int:
         seq = self.engine.create_sequence()
         self.owned.add(seq)
@@ -298,6 +306,7 @@ class _Connection:
         if msg.get("repeat") is not None:
             request.repeat = self._repeat(msg["repeat"])
             self.repeats[msg["id"]] = request
+        request.owner = self.id
         self.engine.submit(request).add_done_callback(partial(self._pass_done, msg["id"]))
         return _PENDING
 
@@ -424,6 +433,7 @@ class _Connection:
 
     def release(self) -> None:
         """Free every sequence and channel this connection still owns (it closed)."""
+        self.engine.forget(self.id)
         for request in list(self.repeats.values()):
             self.engine.stop(request)
         self.repeats.clear()

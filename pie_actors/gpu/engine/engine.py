@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections import Counter
 from concurrent.futures import Future
 from pathlib import Path
@@ -44,11 +45,12 @@ class Engine:
         # the store name; a model given as a folder or file is known by its folder's name
         self.model_name = self.model_dir.name if Path(config.model).expanduser().exists() else config.model
         self.batch_sizes: Counter[int] = Counter()   # lanes per executed batch
+        self.decode_batch_sizes: Counter[int] = Counter()   # the same, of batches of one row a lane
         self._remote = remote
         self.channels = ChannelStore(worker.device, config.channel_memory_mb << 20)
         self.programs = ProgramCache()               # compiled eta programs, by IR hash
         self.scheduler = Scheduler(kv, self.channels, self.cfg, config.max_batch_tokens,
-                                   tensor_parallel=bool(remote))
+                                   tensor_parallel=bool(remote), wait_for_programs=config.wait_for_programs)
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -116,9 +118,22 @@ class Engine:
     # ---- passes ------------------------------------------------------------------------------
     def submit(self, request: PassRequest) -> Future:
         with self._lock:
-            self.scheduler.add(request)
+            self.scheduler.add(request, time.monotonic())
             self._lock.notify()
         return request.future
+
+    def idle(self, owner: int) -> None:
+        """Program `owner` waits on something other than the engine: the next batch does not wait
+        for it (scheduler.py, `Arrivals`)."""
+        with self._lock:
+            self.scheduler.arrivals.idle(owner)
+            self._lock.notify()
+
+    def forget(self, owner: int) -> None:
+        """Program `owner` has gone (its connection closed)."""
+        with self._lock:
+            self.scheduler.arrivals.forget(owner)
+            self._lock.notify()
 
     def step(self) -> int:
         """Run one batch of pending passes. Returns how many passes it completed or rejected."""
@@ -140,6 +155,7 @@ class Engine:
         return self.worker.execute(plan)
 
     def _execute(self, planned: list[Planned], plan: BatchPlan) -> None:
+        started = time.monotonic()
         try:
             logits = self._broadcast_and_run(plan)
         except Exception as e:            # a worker failure fails the whole batch, nothing else
@@ -149,6 +165,8 @@ class Engine:
                     self.scheduler.fail(p.request, e)
             return
         self.batch_sizes[len(plan.lanes)] += 1
+        if len(plan.input_ids) == len(plan.lanes):
+            self.decode_batch_sizes[len(plan.lanes)] += 1
         for p in planned:
             req = p.request
             try:                          # the epilogue first: if it fails, the pass never happened
@@ -166,6 +184,9 @@ class Engine:
             else:
                 with self._lock:
                     self.scheduler.repeat_ran(req)
+        now = time.monotonic()
+        with self._lock:
+            self.scheduler.served(planned, now, now - started)
 
     # ---- repeating passes (run-ahead) --------------------------------------------------------
     def ack(self, req: PassRequest, read: int) -> None:
@@ -189,10 +210,15 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self.scheduler.has_work() and not self._stopping:
-                    self._lock.wait()
-                if self._stopping:
-                    return
+                while True:
+                    if self._stopping:
+                        return
+                    if not self.scheduler.has_work():
+                        self._lock.wait()
+                    elif (left := self.scheduler.wait_left(time.monotonic())) > 0:
+                        self._lock.wait(left)     # programs that are coming: submit and idle wake us
+                    else:
+                        break
             self.step()
 
     def close(self) -> None:

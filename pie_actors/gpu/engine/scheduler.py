@@ -7,6 +7,24 @@ token id, no pages left, a position past the context) is rejected here and rolle
 Repeating passes (run-ahead decoding) go back into the queue after each run until their client's
 acknowledged reads hold them back, or they are stopped.
 
+Waiting for programs that are coming (`Arrivals`). A program that submits one pass per token
+gets its answer at the end of a step and submits its next pass one host round trip later. If the
+next step started at once it would hold only the passes that were already there, and the rest
+would wait a whole step for the one after: the batch would split in two for good, at nearly the
+cost of a full batch each. So after a step, the programs (a pass's `owner`: its data-plane
+connection) whose passes it answered are *expected*, unless they have a pass pending already; the
+next step waits until every expected program has submitted, or said it is idle (it awaits a tool,
+a message or its client: it leaves the wait at once), or the hold's bound has passed since the
+step ended. The bound is twice the 90th percentile of the round trips measured (answer to next
+submission), and never more than half a step (an exponential average of step times): a lone
+program is never delayed more than that, and never at all once it has submitted, since then
+nothing is expected. Programs that arrive after the bound are not waited for in that step, but
+their round trip is still measured, so the bound follows what the hosts take. Programs that start
+together are gathered the same way: when every pending pass is the first of its program and no
+program is expected, the step waits the bound after the first of them arrived, so their prefills
+share one batch and their decode steps stay in phase. Passes without an owner (`Engine.generate`)
+are never waited for.
+
 The Engine owns the lock: every method here is called with the engine's lock held.
 """
 from __future__ import annotations
@@ -14,7 +32,7 @@ from __future__ import annotations
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -85,6 +103,7 @@ class PassRequest:
     channels: list[int] = field(default_factory=list)   # channels it uses: poisoned if it fails
     repeat: Repeat | None = None
     adapters: list[tuple[str, int | None, AdapterFn]] = field(default_factory=list)   # (site, layer, f)
+    owner: int | None = None              # the program (data-plane connection) that submitted it
 
 
 @dataclass
@@ -97,20 +116,125 @@ class Planned:
     undo: list[Mark]                      # sequence extents to roll back to if the batch fails
 
 
+class Arrivals:
+    """Which programs the next step waits for, and until when (see the module docstring)."""
+
+    RTT_FACTOR = 2.0            # the bound: this many times the 90th-percentile round trip ...
+    STEP_FRACTION = 0.5         # ... and at most this fraction of a step
+    FIRST_RTT_S = 1e-3          # the round trip assumed before any is measured
+    SAMPLES = 64                # round trips kept
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.expected: dict[int, float] = {}    # owner -> when its pass was answered (waited for)
+        self.late: dict[int, float] = {}        # the same, past the bound (measured, not waited for)
+        self.known: set[int] = set()            # owners served at least once
+        self._first_new: float | None = None    # when the first pass of a new program arrived
+        self.step_end = 0.0
+        self.step_s = 0.0                       # exponential average of step times
+        self._rtts: deque[float] = deque(maxlen=self.SAMPLES)
+        self._sorted: list[float] = []
+        self._hold_start: float | None = None
+        self.holds = 0                          # steps that waited for expected programs
+        self.expired = 0                        # ... and reached the bound before all of them came
+        self.gathers = 0                        # steps that waited to gather new programs' first passes
+        self.held_s = 0.0
+
+    def bound(self) -> float:
+        rtt = self._sorted[int(0.9 * (len(self._sorted) - 1))] if self._sorted else self.FIRST_RTT_S
+        return min(self.RTT_FACTOR * rtt, self.STEP_FRACTION * self.step_s)
+
+    def served(self, owners: Iterable[int | None], pending: set[int | None], now: float, step_s: float) -> None:
+        """A step answered passes of `owners`; those without a pass in `pending` are expected."""
+        self.step_end = now
+        self.step_s = step_s if not self.step_s else 0.8 * self.step_s + 0.2 * step_s
+        if not self.enabled:
+            return
+        for owner in owners:
+            if owner is not None and owner not in pending:
+                self.expected[owner] = now
+        self.known.update(o for o in owners if o is not None)
+        self._first_new = now if any(o is not None and o not in self.known for o in pending) else None
+
+    def arrived(self, owner: int | None, now: float) -> None:
+        if owner is not None and owner not in self.known and self._first_new is None:
+            self._first_new = now
+        since = self.expected.pop(owner, None)
+        if since is None:
+            since = self.late.pop(owner, None)
+        if since is not None:
+            self._rtts.append(now - since)
+            self._sorted = sorted(self._rtts)
+
+    def idle(self, owner: int | None) -> None:
+        """The program waits on something other than the engine: do not wait for it."""
+        self.expected.pop(owner, None)
+        self.late.pop(owner, None)
+
+    def forget(self, owner: int) -> None:
+        """The program is gone."""
+        self.idle(owner)
+        self.known.discard(owner)
+
+    def wait_left(self, now: float, pending: Iterable[int | None]) -> float:
+        """Seconds the next step, of the `pending` passes' owners, should still wait (0: now)."""
+        if not self.enabled:
+            return 0.0
+        deadline, gathering = None, False
+        if self.expected:
+            deadline = self.step_end + self.bound()
+        elif self._first_new is not None and all(o is not None and o not in self.known for o in pending):
+            deadline, gathering = self._first_new + self.bound(), True
+        if deadline is not None:
+            if now < deadline:
+                if self._hold_start is None:
+                    self._hold_start = now
+                    if gathering:
+                        self.gathers += 1
+                    else:
+                        self.holds += 1
+                return deadline - now
+            if self.expected:
+                self.expired += 1
+                self.late.update(self.expected)
+                self.expected.clear()
+            self._first_new = None
+        if self._hold_start is not None:
+            self.held_s += now - self._hold_start
+            self._hold_start = None
+        return 0.0
+
+    def stats(self) -> dict[str, float]:
+        return {"holds": self.holds, "expired": self.expired, "gathers": self.gathers,
+                "held_s": round(self.held_s, 6),
+                "bound_ms": round(self.bound() * 1e3, 3), "step_ms": round(self.step_s * 1e3, 3)}
+
+
 class Scheduler:
     def __init__(self, kv: KVStore, channels: ChannelStore, cfg: ModelConfig, max_batch_tokens: int,
-                 tensor_parallel: bool = False):
+                 tensor_parallel: bool = False, wait_for_programs: bool = True):
         self.kv, self.channels, self.cfg = kv, channels, cfg
         self.max_batch_tokens = max_batch_tokens
         self.tensor_parallel = tensor_parallel
         self.pending: deque[PassRequest] = deque()
         self.copies: list[tuple[int, int]] = []      # (src, dst) pages to copy before the next batch
+        self.arrivals = Arrivals(wait_for_programs)
 
     def has_work(self) -> bool:
         return bool(self.pending or self.copies)
 
-    def add(self, request: PassRequest) -> None:
+    def add(self, request: PassRequest, now: float) -> None:
         self.pending.append(request)
+        self.arrivals.arrived(request.owner, now)
+
+    def wait_left(self, now: float) -> float:
+        """Seconds the next batch should wait for programs that are coming (`Arrivals`)."""
+        return self.arrivals.wait_left(now, (r.owner for r in self.pending))
+
+    def served(self, planned: list[Planned], now: float, step_s: float) -> None:
+        """A batch of `planned` passes ran and was answered at `now`, in `step_s` seconds."""
+        self.arrivals.served([p.request.owner for p in planned if p.request.repeat is None],
+                             {r.owner for r in self.pending}, now, step_s)
 
     def schedule(self) -> tuple[list[Planned], BatchPlan, int]:
         """The next batch: its planned passes, the plan the workers run, and how many passes were

@@ -27,6 +27,8 @@ Requests (op: fields -> result):
     repeat_ack:  pass (the repeating pass's request id), read -> None: `read` runs' outputs were read
     repeat_stop: pass, [keep] -> None: stop repeating, cut the runs after the first `keep`
     stats:     -> Stats
+    idle:      -> None; the connection's program waits on something other than the engine, so the
+               next batch does not wait for its next pass (scheduler.py)
 
 Epilogue kinds: "argmax" -> [int] (one token per readout row);
 "logits" -> float32 tensor [readout rows, vocab]; "program" with "id" -> [output values] of a
@@ -95,6 +97,8 @@ class SeqState(TypedDict):
 
 class Stats(TypedDict):
     batch_sizes: dict[int, int]   # lanes per batch -> batches run
+    decode_batch_sizes: dict[int, int]   # the same, of batches of one row a lane (decode steps)
+    hold: dict[str, float]        # the scheduler's waits for coming programs (scheduler.Arrivals)
     kv: dict[str, int]            # total, free, referenced, cached pages
     connections: int
     requests: int                 # frames the data plane received, all connections together
