@@ -1,9 +1,10 @@
 """Settings: one frozen, typed `Config`, validated once and passed whole.
 
-A `Config` has three parts: `engine` (EngineConfig: what an engine is built with; the engine and its
+A `Config` has four parts: `engine` (EngineConfig: what an engine is built with; the engine and its
 data plane get it whole), `limits` (RunLimits: the bounds of every inferlet run, enforced on the host
-side) and the runtime's own settings (the Controller's warm pool). Values come from the defaults,
-then `$PIE_HOME/config.toml` (sections [engine] and [limits]), then keyword overrides given by name:
+side), `serve` (ServeConfig: the HTTP front door) and the runtime's own settings (the Controller's warm
+pool). Values come from the defaults, then `$PIE_HOME/config.toml` (sections [engine], [limits] and
+[serve]), then keyword overrides given by name:
 
     load(dtype="float32", timeout_s=60)      # each name belongs to exactly one part
 
@@ -115,9 +116,39 @@ class RunLimits:
 
 
 @dataclass(frozen=True)
+class ServeConfig:
+    """`pie serve`: where it listens, who may call it, the names of its model, and its endpoints."""
+
+    host: str = _doc("the interface `pie serve` listens on", default="127.0.0.1")
+    port: int = _doc("the port of `pie serve` (HTTP and WebSocket)", default=8080)
+    api_keys: tuple[str, ...] = _doc("keys a client must send (none: anyone may call; PIE_API_KEYS adds "
+                                     "comma-separated keys)", default=())
+    served_model_names: tuple[str, ...] = _doc('names the model answers to besides "default" and its '
+                                               "store name", default=())
+    routes: dict[str, str] = _doc("[serve.routes]: an API route mapped to your own inferlet in place of "
+                                  'the built-in one, e.g. "/v1/chat/completions" = "my_chat.py"',
+                                  default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("api_keys", "served_model_names"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+        _check_types(self, "serve")
+        for name in ("api_keys", "served_model_names"):
+            if not all(isinstance(v, str) and v for v in getattr(self, name)):
+                raise ConfigError(f"serve.{name} must be a list of non-empty strings")
+        if not all(isinstance(k, str) and k.startswith("/") and isinstance(v, str) for k, v in self.routes.items()):
+            raise ConfigError('serve.routes maps routes ("/v1/...") to inferlet paths')
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"serve.port must be a port number, got {self.port!r}")
+
+
+@dataclass(frozen=True)
 class Config:
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     limits: RunLimits = dataclasses.field(default_factory=RunLimits)
+    serve: ServeConfig = dataclasses.field(default_factory=ServeConfig)
     pool_size: int = _doc("warm inferlet actors the Controller keeps started", default=2)
 
     def __post_init__(self) -> None:
@@ -126,16 +157,16 @@ class Config:
 
     def replace(self, **overrides: Any) -> Config:
         """This config with settings replaced by name (`dtype=...`, `timeout_s=...`); validated."""
-        parts: dict[str, dict[str, Any]] = {"": {}, "engine": {}, "limits": {}}
+        parts: dict[str, dict[str, Any]] = {"": {}, **{section: {} for section in _SECTIONS}}
         for name, value in overrides.items():
             if name not in _SECTION_OF:
                 raise ConfigError(f"unknown setting {name!r}; known: {', '.join(sorted(_SECTION_OF))}")
             parts[_SECTION_OF[name]][name] = value
-        return dataclasses.replace(self, engine=dataclasses.replace(self.engine, **parts["engine"]),
-                                   limits=dataclasses.replace(self.limits, **parts["limits"]), **parts[""])
+        sections = {section: dataclasses.replace(getattr(self, section), **parts[section]) for section in _SECTIONS}
+        return dataclasses.replace(self, **sections, **parts[""])
 
 
-_SECTIONS: dict[str, type] = {"engine": EngineConfig, "limits": RunLimits}
+_SECTIONS: dict[str, type] = {"engine": EngineConfig, "limits": RunLimits, "serve": ServeConfig}
 _SECTION_OF: dict[str, str] = {}      # setting name -> its section ("" for Config's own)
 for _section, _cls in (("", Config), *_SECTIONS.items()):
     for _f in fields(_cls):
@@ -149,7 +180,8 @@ def _check_types(obj: Any, section: str) -> None:
     for f in fields(obj):
         if f.name in _SECTIONS:
             continue
-        value, kind = getattr(obj, f.name), type(f.default)
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        value, kind = getattr(obj, f.name), type(default)
         if kind is float and type(value) is int:
             object.__setattr__(obj, f.name, float(value))
         elif type(value) is not kind:
@@ -177,8 +209,11 @@ def config_path() -> Path:
 def _toml_lines(obj: Any) -> list[str]:
     lines = []
     for f in fields(obj):
-        if f.name not in _SECTIONS:   # JSON strings, numbers and booleans are valid TOML values
-            lines += [f"# {f.metadata['doc']}", f"{f.name} = {json.dumps(getattr(obj, f.name))}", ""]
+        value = getattr(obj, f.name)
+        if isinstance(value, dict):       # a table of its own: documented, left for the user to write
+            lines += [f"# {f.metadata['doc']}", ""]
+        elif f.name not in _SECTIONS:     # JSON strings, numbers, booleans and lists are valid TOML
+            lines += [f"# {f.metadata['doc']}", f"{f.name} = {json.dumps(value)}", ""]
     return lines
 
 
