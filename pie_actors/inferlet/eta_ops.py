@@ -8,7 +8,7 @@ It receives the run's `RunState`: the engine connection (`client`, on the loop t
   (compiled once per engine by IR hash) and named by the engine's program id.
 - Channel handles are the engine's channel ids. A channel the guest reads with `take_scalar` is
   subscribed: the engine pushes every value put into it, so reading a token costs no request.
-- Passes are written to the engine in submission order (`loop.call_soon_threadsafe` is FIFO and
+- Passes are written to the engine in submission order (`RunState.post` is FIFO and
   `EngineClient.start_pass` writes without awaiting); a repeating pass (`run_ahead`) stays on the
   engine, which runs it up to `window` times ahead of the reads the guest acknowledged.
 """
@@ -93,6 +93,7 @@ class EtaOps:
     def ws_fork(self, handle: Any) -> int:
         """A child sharing the prefix the parent has once its passes submitted so far have run."""
         seq = self._seq(handle)
+        self.run.flush()                          # the passes to wait for go out first
         with self._busy_cond:
             if not self._busy_cond.wait_for(lambda: not self._busy[handle], FORK_WAIT_S):
                 raise HostOpError(f"fork: the working set's passes did not finish in {FORK_WAIT_S:.0f} s")
@@ -106,7 +107,7 @@ class EtaOps:
             idle = [h for h in handles if h in self._ws and not self._busy[h]]
             self._dropped.update(h for h in handles if h in self._ws and self._busy[h])
         for handle in idle:
-            self.run.loop.call_soon_threadsafe(self._free_now, handle)
+            self.run.post(self._free_now, handle)
 
     def _free_now(self, handle: int) -> None:
         # loop thread, FIFO after every pass already submitted on it
@@ -135,7 +136,7 @@ class EtaOps:
             if self._in_flight or self._told_idle:
                 return
             self._told_idle = True
-        self.run.loop.call_soon_threadsafe(self.run.client.idle)
+        self.run.post(self.run.client.idle)
 
     def ws_state(self, handle: Any) -> dict:
         return self.run.wait(self.run.client.state(self._seq(handle)))
@@ -211,7 +212,7 @@ class EtaOps:
                 if started is not None:
                     started(request_id)
             fut.add_done_callback(finished)
-        self.run.loop.call_soon_threadsafe(start)
+        self.run.post(start)
 
     def _pass_done(self, fid: int, fut, value: Callable[[Any], Any]) -> None:
         """Complete the guest's future `fid` with `value(result)` of an engine pass request."""
@@ -251,13 +252,13 @@ class EtaOps:
     def run_ahead_ack(self, args: Any) -> None:
         """The guest read `read` tokens: the engine may run further ahead (no reply awaited)."""
         handle, read = args
-        self.run.loop.call_soon_threadsafe(self._tell_run, handle,
+        self.run.post(self._tell_run, handle,
                                            lambda pass_id: self.run.client.repeat_ack(pass_id, read))
 
     def run_ahead_stop(self, args: Any) -> None:
         """Stop the run-ahead; runs after the first `keep` are cut off the working sets."""
         handle, keep = args
-        self.run.loop.call_soon_threadsafe(self._tell_run, handle,
+        self.run.post(self._tell_run, handle,
                                            lambda pass_id: self.run.client.repeat_stop(pass_id, keep))
 
     def _tell_run(self, handle: int, tell: Callable[[int], None]) -> None:

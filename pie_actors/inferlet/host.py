@@ -251,8 +251,9 @@ class HostApi:
     def send(self, message: str) -> None:
         pass
 
-    def on_wait(self) -> None:
-        """The guest is about to block until a host future completes (or a timer fires)."""
+    def on_loop_turn(self, blocking: bool) -> None:
+        """The guest's event loop turned: it polls for completions, or (`blocking`) is about to
+        block until a host future completes or a timer fires."""
 
     def output(self, stream: str, data: bytes) -> None:
         """The guest wrote to stdout/stderr (print). Default: onto this process's stderr."""
@@ -352,6 +353,7 @@ def _call(run: _Run, op: str, args: str):
 def _poll(run: _Run, ids: str) -> str:
     if run.api.cancelled is not None:
         raise _Deadline()
+    run.api.on_loop_turn(False)
     return _dumps({str(k): v for k, v in run.api.futures.poll(json.loads(ids)).items()})
 
 
@@ -362,8 +364,8 @@ def _wait_any(run: _Run, ids: str, timeout_ms: int) -> str:
     wait = left if timeout_ms == NO_TIMEOUT_MS else min(left, timeout_ms / 1000)
     ids = json.loads(ids)
     done = run.api.futures.poll(ids)
+    run.api.on_loop_turn(not done)
     if not done:
-        run.api.on_wait()
         done = run.api.futures.wait_any(ids, wait)
     if run.api.cancelled is not None or (not done and time.monotonic() >= run.deadline):
         raise _Deadline()

@@ -77,8 +77,12 @@ class InferletHost(HostApi):
     def send(self, message: str) -> None:
         self.state.emit(Send(message))
 
-    def on_wait(self) -> None:
-        self.eta.guest_waits()
+    def on_loop_turn(self, blocking: bool) -> None:
+        """What the host ops posted for the engine goes out now; a guest about to block with no
+        pass in flight tells the engine it is idle."""
+        if blocking:
+            self.eta.guest_waits()
+        self.state.flush()
 
     def deliver(self, message: Any) -> None:
         """A message for `session.receive` (from the client or another process; any thread)."""
