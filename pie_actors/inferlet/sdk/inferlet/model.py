@@ -8,7 +8,8 @@ from __future__ import annotations
 from . import _host
 
 __all__ = ["encode", "decode", "name", "architecture", "output_vocab_size", "kv_page_size",
-           "frame_size", "channel_capacity", "run_ahead_window", "draft_block", "switches", "switch"]
+           "frame_size", "channel_capacity", "run_ahead_window", "max_position", "draft_block", "switches",
+           "switch"]
 
 _info: dict | None = None   # filled on first use inside a run (the snapshot is taken empty)
 
@@ -56,6 +57,11 @@ def channel_capacity() -> int:
 
 def run_ahead_window() -> int:
     return _get("run_ahead_window")
+
+
+def max_position() -> int:
+    """The model's context length: the most tokens one working set may hold."""
+    return _get("max_position")
 
 
 def draft_block():
