@@ -237,8 +237,51 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     run.set_defaults(handler=_run)
 
 
+# --- pie serve ------------------------------------------------------------------------------------
+
+def _serve(args: argparse.Namespace) -> int:
+    """`pie serve`: the OpenAI, Anthropic and Gemini APIs on one port (pie_actors.serve.Server)."""
+    from .serve import Server
+
+    settings = {"host": args.host, "port": args.port, "device": args.device, "dtype": args.dtype,
+                "served_model_names": tuple(args.served_model_name) or None, "api_keys": tuple(args.api_key) or None}
+    server = Server(args.model, local=args.local, access_log=True, **settings).start()
+    names = ", ".join(server.serving.names)
+    print(f"pie serve: {server.url} (OpenAI {server.url}/v1, Anthropic and Gemini {server.url}); model "
+          f"{server.serving.model}, answering to {names}", flush=True)
+    if not server.api_keys:
+        print("pie serve: no API keys: single-user mode, open to anyone who can reach this port (set --api-key, "
+              "serve.api_keys in the config, or PIE_API_KEYS)", flush=True)
+    try:
+        server.wait_ready()
+    except BaseException:
+        server.close()
+        raise
+    print("pie serve: the engine is loaded; serving (Ctrl-C stops)", flush=True)
+    server.serve_forever()
+    return 0
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser("serve", help="serve the OpenAI, Anthropic and Gemini APIs on one port, each request "
+                                         "a built-in endpoint inferlet (replaceable in [serve.routes])")
+    serve.add_argument("--host", help="interface to listen on (default: config, 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default: config, 8080)")
+    serve.add_argument("--model", help="model name or path (default: the configured model)")
+    serve.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
+                       help='another name the model answers to, besides "default" and its store name (repeatable)')
+    serve.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                       help="a key clients must send (repeatable; replaces the config's keys; PIE_API_KEYS adds more)")
+    serve.add_argument("--device", help="cpu, cuda, cuda:N (default: config)")
+    serve.add_argument("--dtype", help="float32, bfloat16, float16 (default: config)")
+    serve.add_argument("--local", action="store_true",
+                       help="run everything in this process (no Ray). Default: join the Ray cluster at RAY_ADDRESS "
+                            "or on this machine, or start a local one")
+    serve.set_defaults(handler=_serve)
+
+
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_model, _add_config, _add_generate, _add_run,
-                                                                   _add_build]
+                                                                   _add_build, _add_serve]
 
 
 def build_parser() -> argparse.ArgumentParser:

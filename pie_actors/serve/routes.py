@@ -1,0 +1,129 @@
+"""What an API module declares, and the request flow its routes share.
+
+An API module (openai_api, anthropic_api, gemini_api) has an `Api` (how it writes errors) and a list
+of `Route`s. A generating route's handler checks the request's shape (a pydantic model: `parse`),
+turns it into the endpoint inferlet's input and hands it to `answer`, which launches the inferlet
+and turns its result, or its messages as they come, into the response.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from .errors import ApiError
+from .inferlets import Call, ClientGone, Endpoints
+from .metrics import Metrics
+from .sse import EventStream, frame
+
+__all__ = ["Api", "Route", "Serving", "Shape", "parse", "answer", "count"]
+
+CLIENT_CLOSED = 499          # what the log and metrics say of a request whose client left first
+
+
+class Shape(BaseModel):
+    """A request shape: the fields a route reads, checked; fields it does not know are ignored
+    (clients send more than a server needs)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+@dataclass(frozen=True)
+class Api:
+    """How one API writes an error: `shape(error)` -> (status, body); in a stream the body is a
+    frame (named `error_event`, where the API names its events)."""
+
+    name: str
+    shape: Callable[[ApiError], tuple[int, dict]]
+    error_event: str | None = None
+
+    def error_response(self, error: ApiError) -> JSONResponse:
+        status, body = self.shape(error)
+        return JSONResponse(body, status_code=status)
+
+    def error_frame(self, error: ApiError) -> str:
+        return frame(self.shape(error)[1], self.error_event)
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    api: Api
+    handler: Callable[..., Awaitable[Response]]   # (serving, request, body) -> response
+    summary: str
+    body: type[BaseModel] | None = None           # the request's shape
+    streams: bool = False                         # may answer text/event-stream
+    engine: bool = True                           # needs the engine (503 while it loads)
+    public: bool = False                          # needs no key
+    query: tuple[str, ...] = ()                   # documented query parameters
+
+
+@dataclass
+class Serving:
+    """What the handlers share: the model's names, its endpoints (None while the engine loads),
+    the runtime and the metrics."""
+
+    model: str
+    names: tuple[str, ...]
+    metrics: Metrics
+    runtime: Any = None
+    endpoints: Endpoints | None = None
+    loading_error: str | None = field(default=None)
+
+    def check_model(self, name: str) -> str:
+        """`name` if the model answers to it; else an ApiError("not_found")."""
+        if name not in self.names:
+            raise ApiError("not_found", f"the model {name!r} does not exist; this server serves "
+                                        f"{', '.join(map(repr, self.names))}", "model")
+        return name
+
+
+async def parse(request: Request, shape: type[BaseModel]) -> BaseModel:
+    """The request's JSON body as `shape`; a body that is not JSON, or not that shape, is an
+    ApiError naming the first bad field."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw) if raw else None
+    except ValueError as e:
+        raise ApiError("invalid_request", f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError("invalid_request", "the request body must be a JSON object")
+    try:
+        return shape.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ApiError("invalid_request", f"{where}: {first['msg']}" if where else first["msg"], where or None) from None
+
+
+async def answer(serving: Serving, request: Request, key: str, input: dict[str, Any], stream: bool,
+                 respond: Callable[[dict], dict], frames: Callable[[Call, dict], AsyncIterator[str]],
+                 api: Api) -> Response:
+    """Launch endpoint `key` on `input`. Not streaming: `respond(result)` once it has ended.
+    Streaming: wait for its start (a refusal is still an error response), then `frames(call,
+    start)` as server-sent events; a client that leaves ends the inferlet either way."""
+    call = await serving.endpoints.launch(key, {**input, "stream": stream})
+    if not stream:
+        try:
+            return JSONResponse(respond(await call.finish(request.receive)))
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+    try:
+        start = await call.start()
+    except BaseException:
+        call.close()
+        raise
+    return EventStream(frames(call, start), api.error_frame, call.close)
+
+
+async def count(serving: Serving, key: str, input: dict[str, Any]) -> dict[str, Any]:
+    """Launch endpoint `key` to count `input`'s prompt tokens: its result (prompt_tokens, tokens)."""
+    call = await serving.endpoints.launch(key, {**input, "count_only": True, "stream": False})
+    async for _ in call.messages():
+        pass
+    return call.result

@@ -1,0 +1,156 @@
+"""`Server`: `pie serve` inside a Python process (what the `pie serve` command runs, too).
+
+    with Server(model="smollm2-135m-instruct", port=0) as server:     # local=True: no Ray
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused")
+
+The app listens at once (uvicorn with uvloop, on a thread of its own) and answers 503 until the
+engine has loaded, which happens on another thread: `Runtime.local` in this process, or
+`Runtime.connect` to the Ray cluster with `local=False`. Entering the context waits for the engine.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ..config import Config, load
+from ..model_store import resolve_model
+from .app import build_app
+from .inferlets import Endpoints
+from .metrics import Metrics
+from .routes import Serving
+
+__all__ = ["Server", "served_names", "api_keys"]
+
+START_TIMEOUT_S = 600.0
+
+
+def model_name(model: str) -> str:
+    """The name the engine gives `model`: a stored model's name, or the folder a path resolves to."""
+    return resolve_model(model).name if Path(model).expanduser().exists() else model
+
+
+def served_names(config: Config) -> tuple[str, ...]:
+    """What the model answers to: "default", its store name, and the configured names."""
+    names = ["default", model_name(config.engine.model), *config.serve.served_model_names]
+    return tuple(dict.fromkeys(names))
+
+
+def api_keys(config: Config) -> tuple[str, ...]:
+    """The configured keys and those in PIE_API_KEYS (comma-separated)."""
+    extra = [k.strip() for k in os.environ.get("PIE_API_KEYS", "").split(",") if k.strip()]
+    return tuple(dict.fromkeys([*config.serve.api_keys, *extra]))
+
+
+class Server:
+    """The OpenAI, Anthropic and Gemini APIs on one port, for `model` (default: the configured one).
+    `settings` override the config by name (host, port, api_keys, served_model_names, routes, and
+    the engine's and runs' settings: dtype, num_pages, timeout_s...); `port=0` picks a free port.
+    `local`: the engine in this process (else the Ray cluster at `address`, RAY_ADDRESS or here)."""
+
+    def __init__(self, model: str | None = None, *, local: bool = True, address: str | None = None,
+                 access_log: bool = False, **settings: Any) -> None:
+        self.settings = {"model": model, **{k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()}}
+        self.config = load(**self.settings)
+        self.local, self.address, self.access_log = local, address, access_log
+        self.api_keys = api_keys(self.config)
+        metrics = Metrics()
+        self._endpoints = Endpoints(self.config.serve.routes, metrics)
+        self.serving = Serving(model_name(self.config.engine.model), served_names(self.config), metrics)
+        self._loaded = threading.Event()
+        self._uvicorn = None
+        self._threads: list[threading.Thread] = []
+
+    # ---- life ---------------------------------------------------------------------------------
+
+    def start(self) -> Server:
+        """Listen, and load the engine in the background."""
+        import uvicorn
+
+        serve = self.config.serve
+        self._socket = socket.create_server((serve.host, serve.port), reuse_port=False)
+        host, port = self._socket.getsockname()[:2]
+        self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+        config = uvicorn.Config(build_app(self.serving, self.api_keys), loop="uvloop", lifespan="off",
+                                log_level="info" if self.access_log else "warning", access_log=self.access_log)
+        self._uvicorn = uvicorn.Server(config)
+        self._spawn(self._listen, "pie-serve-http")
+        self._spawn(self._load, "pie-serve-load")
+        deadline = time.monotonic() + 30
+        while not self._uvicorn.started:
+            if not self._threads[0].is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+        return self
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Wait for the engine; raises RuntimeError if it could not be loaded."""
+        if not self._loaded.wait(timeout):
+            raise TimeoutError(f"the engine did not load within {timeout} s")
+        if self.serving.loading_error is not None:
+            raise RuntimeError(f"the engine could not be loaded: {self.serving.loading_error}")
+
+    def serve_forever(self) -> None:
+        """Serve until the HTTP server stops (Ctrl-C); then close."""
+        try:
+            self._threads[0].join()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+        for thread in self._threads:
+            thread.join()                          # the loader too: a runtime it is making is closed below
+        runtime, self.serving.runtime, self.serving.endpoints = self.serving.runtime, None, None
+        if runtime is not None:
+            runtime.close()
+
+    def __enter__(self) -> Server:
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def runtime(self):
+        """The Runtime the endpoints launch on (None until the engine has loaded)."""
+        return self.serving.runtime
+
+    # ---- threads ------------------------------------------------------------------------------
+
+    def _spawn(self, target, name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _listen(self) -> None:
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+        try:
+            loop.run_until_complete(self._uvicorn.serve(sockets=[self._socket]))
+        finally:
+            loop.close()
+
+    def _load(self) -> None:
+        from ..runtime import Runtime
+
+        try:
+            runtime = (Runtime.local(**self.settings) if self.local
+                       else Runtime.connect(self.address, **self.settings))
+            self._endpoints.runtime = self.serving.runtime = runtime
+            self.serving.endpoints = self._endpoints
+        except Exception as e:
+            self.serving.loading_error = f"{type(e).__name__}: {e}"
+        finally:
+            self._loaded.set()

@@ -1,0 +1,299 @@
+"""pie serve's OpenAI API through the official openai SDK and raw HTTP: every answer is compared with
+the engine's own greedy decode or log-softmax of the same prompt."""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from serve_helpers import (ASK, KEY, QUESTION, WEATHER, batches_since, chat_prompt, greedy_text, greedy_tokens, idle,
+                           log_softmax_rows, start)
+
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir):
+    with start(default_model_dir, api_keys=(KEY,)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def chat(client, messages=ASK, **kw):
+    return client.chat.completions.create(**{"model": "default", "messages": messages, "temperature": 0, **kw})
+
+
+def streamed_text(chunks) -> str:
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+# ---- answers -----------------------------------------------------------------------------------
+
+def test_paris_streamed_and_not_are_the_engines_greedy_text(server, client):
+    prompt = chat_prompt(server, ASK)
+    expected = greedy_tokens(server, prompt, 32)
+    text = server.runtime.engine.tokenizer.decode(expected)
+    assert "Paris" in text
+
+    full = chat(client, max_tokens=32)
+    assert full.choices[0].message.content == text
+    assert full.choices[0].finish_reason == "stop"
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (len(prompt), len(expected))
+
+    chunks = list(chat(client, max_tokens=32, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert streamed_text(chunks) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected)
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == len(prompt) // PAGE * PAGE   # the same prompt again
+
+
+def test_stop_cuts_the_text(server, client):
+    text = greedy_text(server, chat_prompt(server, ASK), 32)
+    cut = text[:text.index(" Paris")]
+    full = chat(client, max_tokens=32, stop=[" Paris", "never appears"])
+    assert (full.choices[0].message.content, full.choices[0].finish_reason) == (cut, "stop")
+    assert streamed_text(chat(client, max_tokens=32, stop=" Paris", stream=True)) == cut
+
+
+def test_max_tokens_is_capped_at_the_context_not_refused(server, client):
+    reply = chat(client, max_tokens=10**6)
+    assert reply.choices[0].finish_reason == "stop" and "Paris" in reply.choices[0].message.content
+    cut = chat(client, max_completion_tokens=3)
+    assert (cut.choices[0].finish_reason, cut.usage.completion_tokens) == ("length", 3)
+
+
+def test_tools_required_streamed_in_openais_delta_shape(client):
+    chunks = list(chat(client, [{"role": "user", "content": "What is the weather in Paris?"}], max_tokens=64,
+                       tools=[{"type": "function", "function": WEATHER}], tool_choice="required", stream=True))
+    deltas = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    first, rest = deltas[0], deltas[1:]
+    assert first.id and first.type == "function" and first.function.name == "get_weather"
+    assert rest and all(d.id is None and d.function.name is None and d.index == first.index for d in rest)
+    arguments = json.loads(first.function.arguments + "".join(d.function.arguments for d in rest))
+    jsonschema.validate(arguments, WEATHER["parameters"])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_named_tool_choice_and_a_tool_result_round_trip(server, client):
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    tools = [{"type": "function", "function": WEATHER},
+             {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    called = chat(client, ask, max_tokens=64, tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = called.choices[0].message.tool_calls[0]
+    assert (call.function.name, called.choices[0].finish_reason) == ("get_weather", "tool_calls")
+    history = ask + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
+    tokens = httpx.post(server.url + "/tokenize", json={"messages": history}, headers={"x-api-key": KEY}).json()["tokens"]
+    prompt = server.runtime.engine.tokenizer.decode(tokens)
+    assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in prompt and '"name": "get_weather"' in prompt
+    answer = chat(client, history, max_tokens=24, tools=tools, tool_choice="none")
+    assert answer.choices[0].message.tool_calls is None and answer.choices[0].message.content
+
+
+def test_json_schema_and_json_object_are_enforced(client):
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
+              "properties": {"city": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20}}}
+    ask = [{"role": "user", "content": "Where is the Eiffel Tower?"}]
+    reply = chat(client, ask, max_tokens=48, response_format={"type": "json_schema",
+                                                             "json_schema": {"name": "place", "schema": schema}})
+    jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    assert reply.choices[0].finish_reason == "stop"
+    ask = [{"role": "user", "content": "Describe Paris as a JSON object with keys city and country."}]
+    anything = chat(client, ask, max_tokens=48, response_format={"type": "json_object"})
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+
+
+def test_n_forks_one_prompt_computation_and_a_seed_repeats(server, client):
+    ask = [{"role": "user", "content": f"Tell me a story about the number {secrets.token_hex(16)}. " * 4}]
+    prompt, known = chat_prompt(server, ask), chat_prompt(server, ASK)
+    shared = next(i for i, (a, b) in enumerate(zip(prompt, known)) if a != b)   # the template's opening
+    chat(client, max_tokens=1)                                                  # computed before
+    before = idle(server)
+    reply = chat(client, ask, n=3, temperature=1.0, seed=11, max_tokens=6)
+    after = idle(server)
+    assert sorted(c.index for c in reply.choices) == [0, 1, 2]
+    assert reply.usage.prompt_tokens == len(prompt)
+    assert reply.usage.prompt_tokens_details.cached_tokens == shared // PAGE * PAGE
+    # one pass of one lane held more than one row: the prompt; the three replies only decoded
+    prefill = batches_since(before, after) - batches_since(before, after, "decode_batch_sizes")
+    assert prefill == {1: 1}
+    again = chat(client, ask, n=3, temperature=1.0, seed=11, max_tokens=6)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in reply.choices]
+    assert again.usage.prompt_tokens_details.cached_tokens == len(prompt) // PAGE * PAGE
+    assert 3 <= reply.usage.completion_tokens <= 3 * 6
+
+
+def test_logprobs_are_the_engines_log_softmax(server, client):
+    prompt = chat_prompt(server, ASK)
+    generated = greedy_tokens(server, prompt, 5)
+    reference = log_softmax_rows(server, prompt + generated[:-1], list(range(len(prompt) - 1, len(prompt) + 4)))
+    decode = server.runtime.engine.tokenizer.decode
+    reply = chat(client, max_tokens=5, logprobs=True, top_logprobs=3)
+    entries = reply.choices[0].logprobs.content
+    assert [e.token for e in entries] == [decode([t]) for t in generated]
+    for k, entry in enumerate(entries):
+        assert entry.logprob == pytest.approx(reference[k, generated[k]].item(), abs=1e-3)
+        top = reference[k].topk(3)
+        assert [t.token for t in entry.top_logprobs] == [decode([int(i)]) for i in top.indices]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-3)
+    streamed = [e for c in chat(client, max_tokens=5, logprobs=True, top_logprobs=3, stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 3)) for e in streamed] == [(e.token, round(e.logprob, 3)) for e in entries]
+
+
+def test_logit_bias_bans_a_token(server, client):
+    plain = chat(client, max_tokens=12).choices[0].message.content
+    paris = server.runtime.engine.tokenizer.encode(" Paris")
+    biased = chat(client, max_tokens=12, logit_bias={str(paris[0]): -100}).choices[0].message.content
+    assert " Paris" in plain and " Paris" not in biased
+
+
+def test_completions_one_prompt_a_list_echo_and_logprobs(server, client):
+    tok = server.runtime.engine.tokenizer
+    prompts = ["The capital of France is", "Water boils at"]
+    expected = [greedy_text(server, tok.encode(p), 6) for p in prompts]
+    one = client.completions.create(model="default", prompt=prompts[0], max_tokens=6, temperature=0)
+    assert one.choices[0].text == expected[0]
+    both = client.completions.create(model="default", prompt=prompts, max_tokens=6, temperature=0, echo=True,
+                                     logprobs=2)
+    assert [c.text for c in both.choices] == [p + e for p, e in zip(prompts, expected)]
+    assert [len(c.logprobs.tokens) for c in both.choices] == [len(tok.encode(e)) for e in expected]
+    assert all(len(top) == 2 for c in both.choices for top in c.logprobs.top_logprobs)
+    chunks = list(client.completions.create(model="default", prompt=prompts[1], max_tokens=6, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected[1]
+
+
+def test_16_concurrent_streams_get_their_alone_text_in_shared_batches(server):
+    questions = [f"What is {a} plus {b}?" for a, b in zip(range(2, 18), range(7, 23))]
+    asks = [[{"role": "user", "content": q}] for q in questions]
+    expected = [greedy_text(server, chat_prompt(server, ask), 8) for ask in asks]
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+
+    async def one(ask) -> str:
+        stream = await client.chat.completions.create(model="default", messages=ask, temperature=0, max_tokens=8,
+                                                      stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def all_of_them() -> list[str]:
+        return await asyncio.gather(*map(one, asks))
+
+    before = idle(server)
+    assert asyncio.run(all_of_them()) == expected
+    decode_batches = batches_since(before, idle(server), "decode_batch_sizes")
+    assert max(decode_batches) > 1, decode_batches
+
+
+# ---- the disconnect ----------------------------------------------------------------------------
+
+LONG = {"model": "default", "messages": ASK, "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
+
+
+def test_a_client_that_leaves_a_stream_ends_its_inferlet_and_its_pages_return(server):
+    before = idle(server)
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**LONG, "stream": True},
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert [next(lines) for _ in range(6)]                # some text has come
+    after = idle(server)
+    assert after["kv"]["referenced"] == before["kv"]["referenced"]
+    assert after["kv"]["free"] + after["kv"]["cached"] == before["kv"]["free"] + before["kv"]["cached"]
+    assert sum(batches_since(before, after).values()) < 1000       # it stopped long before its 4000 tokens
+
+
+def test_a_client_that_gives_up_on_a_reply_ends_its_inferlet(server):
+    before = idle(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", json=LONG, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=2)
+    after = idle(server)
+    assert after["kv"]["referenced"] == before["kv"]["referenced"]
+    assert sum(batches_since(before, after).values()) < 1000
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+def test_errors_are_the_sdks_exception_types(server, client):
+    with pytest.raises(openai.NotFoundError):
+        chat(client, model="gpt-4o")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError) as bad:
+        chat(client, temperature=5)
+    assert bad.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError) as long:
+        chat(client, [{"role": "user", "content": "hello " * 9000}], stream=True)
+    assert long.value.code == "context_length_exceeded"
+    for refused in ({"logit_bias": {"999999": 1}},
+                    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+                    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]},
+                    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}):
+        with pytest.raises(openai.BadRequestError):
+            chat(client, **{"messages": ASK, **refused})
+    assert "Paris" in chat(client, max_tokens=16).choices[0].message.content      # still serving
+
+
+def test_error_bodies_in_openais_shape(server):
+    url, auth = server.url, {"Authorization": f"Bearer {KEY}"}
+    cases = [(httpx.post(url + "/v1/chat/completions", content=b"{not json", headers=auth), 400, None),
+             (httpx.post(url + "/v1/chat/completions", json={"model": "default"}, headers=auth), 400, None),
+             (httpx.post(url + "/v1/chat/completions", json={"model": "default", "messages": ASK}), 401, "invalid_api_key"),
+             (httpx.get(url + "/v1/models", headers={"Authorization": "Bearer nope"}), 401, "invalid_api_key"),
+             (httpx.get(url + "/v1/models/nope", headers=auth), 404, "model_not_found"),
+             (httpx.post(url + "/v1/chat/completions", headers=auth,
+                         json={"model": "default", "messages": [{"role": "user", "content": "hi " * 9000}]}),
+              400, "context_length_exceeded")]
+    for response, status, code in cases:
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["code"] == code
+    assert httpx.post(url + "/v1/chat/completions", json={"model": "default"}, headers=auth).json()["error"]["param"] == "messages"
+    assert httpx.get(url + "/health").status_code == 200                  # needs no key
+    assert httpx.get(url + "/metrics").status_code == 401
+
+
+# ---- the other routes --------------------------------------------------------------------------
+
+def test_models_tokenize_detokenize(server, client):
+    names = [m.id for m in client.models.list()]
+    assert names[:2] == ["default", "smollm2-135m-instruct"]
+    assert client.models.retrieve("smollm2-135m-instruct").id == "smollm2-135m-instruct"
+    auth = {"x-api-key": KEY}
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": QUESTION}, headers=auth).json()
+    assert tokens["tokens"] == server.runtime.engine.tokenizer.encode(QUESTION) and tokens["count"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] == 8192
+    chat_tokens = httpx.post(server.url + "/tokenize", json={"messages": ASK}, headers=auth).json()["tokens"]
+    assert chat_tokens == chat_prompt(server, ASK)
+    text = httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}, headers=auth).json()
+    assert text == {"prompt": QUESTION}
+    refused = httpx.post(server.url + "/detokenize", json={"tokens": [10**7]}, headers=auth)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tokens"
+
+
+def test_health_metrics_and_openapi(server, client):
+    chat(client, max_tokens=4, stream=True).close()
+    list(chat(client, max_tokens=4, stream=True))
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    text = httpx.get(server.url + "/metrics", headers=auth).text
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    assert int(samples['pie_requests_total{route="/v1/chat/completions",status="200"}']) >= 1
+    assert int(samples["pie_time_to_first_token_seconds_count"]) >= 1
+    assert int(samples['pie_kv_pages{state="total"}']) == 256
+    assert int(samples['pie_tokens_total{kind="completion"}']) > 0
+    assert any(key.startswith("pie_engine_batches_total") for key in samples)
+    assert "pie_running_inferlets" in samples
+    spec = httpx.get(server.url + "/openapi.json", headers=auth).json()
+    assert {"/v1/chat/completions", "/v1/completions", "/tokenize", "/health"} <= set(spec["paths"])
