@@ -296,4 +296,5 @@ def test_health_metrics_and_openapi(server, client):
     assert any(key.startswith("pie_engine_batches_total") for key in samples)
     assert "pie_running_inferlets" in samples
     spec = httpx.get(server.url + "/openapi.json", headers=auth).json()
-    assert {"/v1/chat/completions", "/v1/completions", "/tokenize", "/health"} <= set(spec["paths"])
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1beta/models/{model}:generateContent",
+            "/tokenize", "/health"} <= set(spec["paths"])

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route as StarletteRoute
 
-from . import openai_api
+from . import anthropic_api, gemini_api, openai_api
 from .errors import ApiError
 from .openapi import document
 from .routes import Route, Serving, parse
@@ -49,7 +49,7 @@ SERVICE_ROUTES = [
           engine=False),
     Route("GET", "/openapi.json", API, openapi_json, "This document.", engine=False),
 ]
-ROUTES: list[Route] = [*openai_api.ROUTES, *SERVICE_ROUTES]
+ROUTES: list[Route] = [*gemini_api.ROUTES, *openai_api.ROUTES, *anthropic_api.ROUTES, *SERVICE_ROUTES]
 OPENAPI = document(ROUTES, "pie serve", "1")
 
 

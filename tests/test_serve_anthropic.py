@@ -1,0 +1,140 @@
+"""pie serve's Anthropic API through the official anthropic SDK and raw HTTP: the Messages stream's
+event order, a tool_use -> tool_result -> answer loop, count_tokens, and errors in Anthropic's shape."""
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+
+from serve_helpers import ASK, KEY, WEATHER, chat_prompt, greedy_text, greedy_tokens, start
+
+TOOLS = [{"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}]
+WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir):
+    with start(default_model_dir, api_keys=(KEY,)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+
+
+GREEDY = {"temperature": 0}        # the SDK has no temperature argument; the server takes it as older clients send it
+
+
+def create(client, messages=ASK, **kw):
+    return client.messages.create(**{"model": "default", "max_tokens": 32, "messages": messages, "extra_body": GREEDY,
+                                     **kw})
+
+
+def test_paris_streamed_and_not_with_the_full_event_order(server, client):
+    prompt = chat_prompt(server, ASK)
+    expected = greedy_tokens(server, prompt, 32)
+    text = server.runtime.engine.tokenizer.decode(expected)
+    message = create(client)
+    assert "Paris" in text and [b.type for b in message.content] == ["text"] and message.content[0].text == text
+    assert (message.stop_reason, message.usage.output_tokens) == ("end_turn", len(expected))
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == len(prompt)
+
+    raw = httpx.post(server.url + "/v1/messages", headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"},
+                     json={"model": "default", "max_tokens": 32, "messages": ASK, "stream": True, **GREEDY}).text
+    kinds = [line[7:] for line in raw.splitlines() if line.startswith("event: ")]
+    deltas = kinds.count("content_block_delta")
+    assert kinds == ["message_start", "content_block_start", "ping", *["content_block_delta"] * deltas,
+                     "content_block_stop", "message_delta", "message_stop"] and deltas > 1
+
+    events = list(create(client, stream=True))         # the SDK's events (it leaves out the ping)
+    assert "".join(e.delta.text for e in events if e.type == "content_block_delta") == text
+    assert events[-2].delta.stop_reason == "end_turn" and events[-2].usage.output_tokens == len(expected)
+    start_usage = events[0].message.usage
+    assert start_usage.input_tokens + start_usage.cache_read_input_tokens == len(prompt)
+    assert start_usage.cache_read_input_tokens > 0                           # this prompt ran before
+
+    with client.messages.stream(model="default", max_tokens=32, messages=ASK, extra_body=GREEDY) as stream:
+        assert "".join(stream.text_stream) == text
+        assert stream.get_final_message().stop_reason == "end_turn"
+
+
+def test_system_as_a_string_or_blocks_and_stop_sequences(server, client):
+    system = "You are a geography teacher."
+    expected = greedy_text(server, chat_prompt(server, [{"role": "system", "content": system}, *ASK]), 32)
+    assert create(client, system=system).content[0].text == expected
+    assert create(client, system=[{"type": "text", "text": system}]).content[0].text == expected
+    word = expected[len(expected) // 2:][:4]
+    stopped = create(client, system=system, stop_sequences=[word])
+    assert stopped.content[0].text == expected[:expected.index(word)]
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", word)
+    assert create(client, max_tokens=2).stop_reason == "max_tokens"
+
+
+def test_tool_use_then_tool_result_then_the_answer(server, client):
+    called = create(client, WEATHER_ASK, max_tokens=64, tools=TOOLS, tool_choice={"type": "any"})
+    assert called.stop_reason == "tool_use"
+    use = next(b for b in called.content if b.type == "tool_use")
+    assert use.name == "get_weather" and use.id
+    jsonschema.validate(use.input, WEATHER["parameters"])
+
+    result = "It is 21 degrees and sunny."
+    history = [*WEATHER_ASK, {"role": "assistant", "content": [b.model_dump() for b in called.content]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": result}]}]
+    counted = client.messages.count_tokens(model="default", messages=history, tools=TOOLS)
+    alone = client.messages.count_tokens(model="default", messages=WEATHER_ASK, tools=TOOLS)
+    assert counted.input_tokens > alone.input_tokens + len(server.runtime.engine.tokenizer.encode(result))
+    answer = create(client, history, max_tokens=32, tools=TOOLS, tool_choice={"type": "none"})
+    assert answer.stop_reason in ("end_turn", "max_tokens")
+    assert [b.type for b in answer.content] == ["text"] and answer.content[0].text
+
+    events = list(create(client, WEATHER_ASK, max_tokens=64, tools=TOOLS, tool_choice={"type": "tool", "name": "get_weather"},
+                         stream=True))
+    start = next(e for e in events if e.type == "content_block_start" and e.content_block.type == "tool_use")
+    partial = "".join(e.delta.partial_json for e in events if e.type == "content_block_delta"
+                      and e.delta.type == "input_json_delta")
+    assert start.content_block.name == "get_weather"
+    jsonschema.validate(json.loads(partial), WEATHER["parameters"])
+    assert next(e for e in events if e.type == "message_delta").delta.stop_reason == "tool_use"
+
+
+def test_output_config_json_schema_is_enforced(client):
+    schema = {"type": "object", "additionalProperties": False, "required": ["city"],
+              "properties": {"city": {"type": "string", "maxLength": 20}}}
+    message = create(client, [{"role": "user", "content": "Where is the Eiffel Tower?"}],
+                     output_config={"format": {"type": "json_schema", "schema": schema}})
+    jsonschema.validate(json.loads(message.content[0].text), schema)
+
+
+def test_count_tokens_is_the_prompts_length(server, client):
+    assert client.messages.count_tokens(model="default", messages=ASK).input_tokens == len(chat_prompt(server, ASK))
+
+
+def test_errors_are_the_sdks_exception_types_and_anthropics_bodies(server, client):
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.count_tokens(
+            model="default", messages=ASK)
+    with pytest.raises(anthropic.NotFoundError):
+        create(client, model="claude-sonnet-4")
+    with pytest.raises(anthropic.BadRequestError):
+        create(client, extra_body={"temperature": 1.5})
+    with pytest.raises(anthropic.BadRequestError) as long:
+        create(client, [{"role": "user", "content": "hello " * 9000}], stream=True)
+    assert "context" in str(long.value)
+
+    url = server.url + "/v1/messages"
+    bearer = {"Authorization": f"Bearer {KEY}", "anthropic-version": "2023-06-01"}
+    no_max = httpx.post(url, json={"model": "default", "messages": ASK}, headers=bearer)
+    wrong_key = httpx.post(url, json={"model": "default", "max_tokens": 4, "messages": ASK}, headers={"x-api-key": "no"})
+    image = httpx.post(url, headers=bearer, json={"model": "default", "max_tokens": 4, "messages": [
+        {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}]}]})
+    for response, status, kind in ((no_max, 400, "invalid_request_error"), (wrong_key, 401, "authentication_error"),
+                                   (image, 400, "invalid_request_error")):
+        assert response.status_code == status
+        body = response.json()
+        assert body["type"] == "error" and body["error"]["type"] == kind and body["error"]["message"]
+    ok = httpx.post(url, json={"model": "default", "max_tokens": 4, "messages": ASK, "temperature": 0}, headers=bearer)
+    assert ok.status_code == 200 and ok.json()["type"] == "message"                 # Bearer works too

@@ -1,0 +1,98 @@
+"""pie serve's replaceable endpoints, an endpoint that fails, and the `pie serve` command."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from serve_helpers import ASK, KEY, chat_prompt, greedy_text, idle, start
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "serve_endpoint" / "main.py"
+CAPTAIN = "You are the captain of a sailing ship. Answer in one sentence."
+FAILING = '''
+async def main(input):
+    raise RuntimeError("this endpoint is broken on purpose")
+'''
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir, tmp_path_factory):
+    broken = tmp_path_factory.mktemp("routes") / "broken.py"
+    broken.write_text(FAILING)
+    with start(default_model_dir, routes={"/v1/chat/completions": str(EXAMPLE), "/v1/completions": str(broken)}) as s:
+        yield s
+
+
+def test_a_replaced_endpoint_serves_the_chat_route(server):
+    expected = greedy_text(server, chat_prompt(server, [{"role": "system", "content": CAPTAIN}, *ASK]), 40)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(model="default", messages=ASK, max_tokens=40)
+    assert reply.choices[0].message.content == expected
+    chunks = client.chat.completions.create(model="default", messages=ASK, max_tokens=40, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    # the other APIs still get the built-in endpoint: its answer has no captain in it
+    other = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0).messages.create(
+        model="default", max_tokens=40, messages=ASK, extra_body={"temperature": 0})
+    assert other.content[0].text == greedy_text(server, chat_prompt(server, ASK), 40) != expected
+
+
+def test_an_endpoint_that_fails_is_a_500_with_its_message_and_the_server_goes_on(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    for stream in (False, True):
+        with pytest.raises(openai.InternalServerError) as failed:
+            client.completions.create(model="default", prompt="Hello", max_tokens=4, stream=stream)
+        assert "broken on purpose" in str(failed.value)
+    assert idle(server)["kv"]["referenced"] == 0
+    assert "Paris" in client.chat.completions.create(model="default", messages=ASK, max_tokens=40).choices[0].message.content
+
+
+def test_an_unknown_route_in_the_config_is_refused(default_model_dir):
+    with pytest.raises(ValueError, match="/v1/chat/completion"):
+        start(default_model_dir, routes={"/v1/chat/completion": str(EXAMPLE)})
+
+
+def _pie(*args: str, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pie_actors.cli", "serve", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _line(process: subprocess.Popen, starts: str) -> str:
+    for line in process.stdout:
+        if line.startswith(starts):
+            return line
+    raise AssertionError(f"pie serve exited ({process.wait()}) without printing {starts!r}")
+
+
+def test_pie_serve_local_with_keys_from_the_environment(default_model_dir, tmp_path):
+    env = {**os.environ, "PIE_API_KEYS": f" {KEY} ,", "PYTHONPATH": os.pathsep.join(sys.path)}
+    process = _pie("--local", "--port", "0", "--model", str(default_model_dir), "--dtype", "float32",
+                   "--served-model-name", "captain", env=env)
+    try:
+        url = _line(process, "pie serve: http").split()[2]
+        _line(process, "pie serve: the engine is loaded")
+        assert httpx.get(url + "/health").json()["status"] == "ok"
+        assert httpx.get(url + "/v1/models").status_code == 401
+        names = [m["id"] for m in httpx.get(url + "/v1/models", headers={"x-api-key": KEY}).json()["data"]]
+        assert names == ["default", "smollm2-135m-instruct", "captain"]
+        reply = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0).chat.completions.create(
+            model="captain", messages=ASK, max_tokens=16, temperature=0)
+        assert "Paris" in reply.choices[0].message.content
+    finally:
+        process.terminate()
+        process.wait(60)
+
+
+def test_pie_serve_without_keys_says_it_is_open(default_model_dir):
+    env = {**os.environ, "PIE_API_KEYS": "", "PYTHONPATH": os.pathsep.join(sys.path)}
+    process = _pie("--local", "--port", "0", "--model", str(default_model_dir), env=env)
+    try:
+        assert "single-user" in _line(process, "pie serve: no API keys")
+    finally:
+        process.terminate()
+        process.wait(60)
