@@ -12,6 +12,7 @@ import re
 import shutil
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -116,11 +117,12 @@ def resolve_model(name_or_path: str | Path) -> Path:
             return import_model(DEFAULT_MODEL)
         except FileExistsError:  # another process imported it meanwhile
             return models_dir() / DEFAULT_MODEL
-    if text == DUMMY_MODEL:
+    if text in DUMMY_VOCABS:
+        write = partial(_write_dummy, vocab_size=DUMMY_VOCABS[text])
         try:
-            return _install(DUMMY_MODEL, _write_dummy, {"kind": "builtin", "source": DUMMY_MODEL}, force=False)
+            return _install(text, write, {"kind": "builtin", "source": text}, force=False)
         except FileExistsError:
-            return models_dir() / DUMMY_MODEL
+            return models_dir() / text
     for entry in list_models():  # a hub repo id imported earlier
         if entry["source"] == text:
             return Path(entry["path"])
@@ -128,31 +130,38 @@ def resolve_model(name_or_path: str | Path) -> Path:
     raise UnknownModel(f"unknown model {text!r}; available: {names}; import it with `pie model import`")
 
 
-# --- the dummy model: a tiny random Llama speaking the default model's vocabulary -----------------------
+# --- the dummy models: tiny random Llamas --------------------------------------------------------------
 
 DUMMY_MODEL = "dummy"
+# "dummy" speaks the default model's vocabulary (its tokenizer: text round-trips); "dummy-small" has
+# 512 token ids and no tokenizer, so that an engine step costs next to nothing and the engine's own
+# bookkeeping shows (bench/overhead.py)
+DUMMY_VOCABS: dict[str, int | None] = {DUMMY_MODEL: None, "dummy-small": 512}
 _DUMMY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2)
 _DUMMY_SEED = 0
 
 
-def _write_dummy(folder: Path) -> None:
+def _write_dummy(folder: Path, vocab_size: int | None = None) -> None:
     """For control-plane tests and overhead benchmarks, where the model's cost should be negligible:
-    random weights (seeded, so every store holds the same model), the default model's tokenizer, so
-    text still round-trips."""
+    random weights (seeded, so every store holds the same model) and, without `vocab_size`, the
+    default model's vocabulary and tokenizer, so text still round-trips."""
     import numpy as np
     from safetensors.numpy import save_file
 
     source = resolve_model(DEFAULT_MODEL)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
-        if (source / name).is_file():
-            shutil.copyfile(source / name, folder / name)
     base = json.loads((source / "config.json").read_text(encoding="utf-8"))
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": base["vocab_size"],
+    if vocab_size is None:
+        vocab_size = base["vocab_size"]
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+            if (source / name).is_file():
+                shutil.copyfile(source / name, folder / name)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size,
               **_DUMMY, "head_dim": _DUMMY["hidden_size"] // _DUMMY["num_attention_heads"], "rms_norm_eps": 1e-5,
               "rope_theta": 10000.0, "max_position_embeddings": base["max_position_embeddings"],
               "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": base.get("bos_token_id"),
-              "eos_token_id": base.get("eos_token_id"), "torch_dtype": "float32"}
+              "eos_token_id": base.get("eos_token_id") if vocab_size == base["vocab_size"] else None,
+              "torch_dtype": "float32"}
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
     rng = np.random.default_rng(_DUMMY_SEED)
@@ -209,7 +218,8 @@ def _install(name: str, build: Callable[[Path], Any], origin: dict[str, Any], fo
     try:
         build(tmp)
         load_checkpoint(tmp)  # refuse to store what the engine could not load
-        Tokenizer.from_dir(tmp)
+        if (tmp / "tokenizer.json").is_file() or origin.get("kind") != "builtin":
+            Tokenizer.from_dir(tmp)       # only the built-in dummies may come without one
         origin = {**origin, "imported_at": time.time()}
         (tmp / SOURCE_FILE).write_text(json.dumps(origin, indent=2) + "\n", encoding="utf-8")
         tmp.chmod(0o755)  # mkdtemp makes it private

@@ -215,6 +215,10 @@ class _Cluster:
     def close(self) -> None:
         import ray
 
+        try:
+            asyncio.run_coroutine_threadsafe(_cancel_all(), self.loop).result(5)
+        except TimeoutError:
+            pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
         if self.started_ray:
@@ -228,11 +232,22 @@ async def _pump(stream: Any, process: Process) -> None:
         async for ref in stream:
             last = await ref
             process.emit(last)
+    except asyncio.CancelledError:    # the runtime closed: its reader must not wait forever
+        process.emit(Failed("cancelled", "the runtime closed"))
+        raise
     except Exception as e:            # the actor died, or its task failed outside the run
         last = Failed("trap", f"the inferlet's actor failed: {type(e).__name__}: {e}")
         process.emit(last)
     if not isinstance(last, (Done, Failed)):
         process.emit(Failed("trap", f"process {process.name!r} ended without a result"))
+
+
+async def _cancel_all() -> None:
+    """Stop the pumps of processes still running (on the runtime's loop)."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _init_ray(address: str | None) -> None:

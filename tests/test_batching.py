@@ -67,6 +67,7 @@ def _lockstep(runtime: Runtime, prompts: list[str]) -> tuple[list, dict[int, int
 def test_concurrent_one_pass_per_token_programs_share_every_decode_step(runtime):
     prompts = [f"Story {i}: once upon a time, in a country far away, there lived a" for i in range(N)]
     alone = [_lockstep(runtime, [p])[0][0] for p in prompts[:2]]
+    _lockstep(runtime, prompts)      # the engine learns how long these hosts take to come back
     together, batches = _lockstep(runtime, prompts)
     assert together[:2] == alone                       # each gets what it gets alone
     assert together == [runtime.engine.generate([runtime.engine.tokenizer.encode(p)], TOKENS,
@@ -127,3 +128,53 @@ def test_an_inferlet_awaiting_a_message_does_not_hold_the_others_back(runtime):
     assert asyncio.run(others())["expired"] == 0
     waiter.send("done")
     assert waiter.result(60) == {"got": "done"}
+
+
+# ---- epilogues run once a batch -------------------------------------------------------------------
+
+def _ir(*ops) -> dict:
+    return {"ops": [list(op) for op in ops], "outputs": [len(ops) - 1]}
+
+
+def test_which_programs_may_run_once_for_many_passes():
+    from pie_actors.gpu.eta import compile_program
+
+    logits = ("output", [0, "logits"])
+    cases = {
+        "argmax": (_ir(logits, ("reduce_argmax", [{"t": 0}])), True),
+        "scaled argmax": (_ir(logits, ("constant", [[0.5], "f32"]), ("div", [{"t": 0}, {"t": 1}]),
+                              ("reduce_argmax", [{"t": 2}])), True),
+        "log-probabilities": (_ir(logits, ("log_softmax", [{"t": 0}])), True),
+        "a reduction used again": (_ir(logits, ("reduce_max", [{"t": 0}]), ("sub", [{"t": 0}, {"t": 1}])), False),
+        "a second lane": (_ir(("output", [1, "logits"]), ("reduce_argmax", [{"t": 0}])), False),
+        "a channel": (_ir(("take", [3]), ("reduce_argmax", [{"t": 0}])), False),
+        "a reshape": (_ir(logits, ("reduce_argmax", [{"t": 0}]), ("reshape", [{"t": 1}, [1]])), False),
+    }
+    for name, (ir, batchable) in cases.items():
+        assert compile_program(ir, device="cpu", backend="torch").batchable == batchable, name
+
+
+SCALED = LOCKSTEP.replace('reduce_argmax(intrinsics.output(0, "logits"))',
+                          'reduce_argmax(intrinsics.output(0, "logits") / 0.5)')
+
+
+def test_one_epilogue_run_serves_a_whole_decode_step(runtime):
+    """N programs with the same (row-wise) epilogue: the engine runs it once a step for all of them,
+    and each gets exactly what its own run of the epilogue gives."""
+    prompts = [f"Recipe {i}: to bake good bread, first" for i in range(N)]
+    alone = _lockstep_with(runtime, SCALED, prompts[:1])[0]
+    before = runtime.stats()["row_epilogues"]
+    together = _lockstep_with(runtime, SCALED, prompts)
+    after = runtime.stats()["row_epilogues"]
+    assert together[0] == alone and len(set(map(tuple, together))) > 1
+    calls, passes = after.get("calls", 0) - before.get("calls", 0), after.get("passes", 0) - before.get("passes", 0)
+    assert calls >= TOKENS - 2 and passes >= 0.9 * N * TOKENS        # one run a step, for (nearly) every pass
+
+
+def _lockstep_with(runtime: Runtime, source: str, prompts: list[str]) -> list:
+    processes = [runtime.launch(source, {"prompt": p, "n": TOKENS}) for p in prompts]
+    for process in processes:
+        assert next(process.events(timeout=60)) == Send("ready")
+    for process in processes:
+        process.send("go")
+    return [p.result(120)["tokens"] for p in processes]

@@ -252,8 +252,8 @@ class EtaOps:
     def run_ahead_ack(self, args: Any) -> None:
         """The guest read `read` tokens: the engine may run further ahead (no reply awaited)."""
         handle, read = args
-        self.run.post(self._tell_run, handle,
-                                           lambda pass_id: self.run.client.repeat_ack(pass_id, read))
+        self.run.post(self._tell_run, handle, lambda pass_id: self.run.client.repeat_ack(pass_id, read))
+        self.run.flush()     # at once: the guest may read on without turning its loop (take_scalar)
 
     def run_ahead_stop(self, args: Any) -> None:
         """Stop the run-ahead; runs after the first `keep` are cut off the working sets."""
@@ -299,11 +299,16 @@ class EtaOps:
         except LookupError:
             raise HostOpError(f"channel {cid} is empty (await take_scalar() waits for a value)") from None
 
-    def chan_take_scalar(self, cid: Any) -> int:
-        """A future of the channel's next value (the channel is subscribed on first use)."""
+    def chan_take_scalar(self, cid: Any) -> dict[str, Any]:
+        """{"value": v} when the channel's next value has arrived, else {"future": id} of it (the
+        channel is subscribed on first use). A run-ahead loop reads mostly values that are there
+        already: one host call a token instead of a call and a wait."""
         inbox = self._channels.get(cid)
         if inbox is not None:
-            return inbox.receive()
+            try:
+                return {"value": _scalar(inbox.take())}
+            except LookupError:
+                return {"future": inbox.receive()}
         inbox = self._channels[cid] = Inbox(self.run.futures, convert=_scalar)
         fid = inbox.receive()
         try:
@@ -311,7 +316,7 @@ class EtaOps:
         except HostOpError:
             del self._channels[cid]
             raise
-        return fid
+        return {"future": fid}
 
     def _on_push(self, message: dict) -> None:
         """An engine push (loop thread): a value put into a subscribed channel, or its poisoning."""

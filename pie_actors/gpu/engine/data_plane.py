@@ -25,7 +25,8 @@ from ..model.adapters import parse_site
 from .channels import ChannelError
 from .engine import Engine
 from .scheduler import Lane, PassError, PassRequest, Repeat
-from .epilogues import SIMPLE, EpilogueError, adapter_fn, program_epilogue, prologue_runner, simple_epilogue
+from .epilogues import (ROWS_EPILOGUES, SIMPLE, EpilogueError, adapter_fn, program_epilogue, prologue_runner,
+                        rows_program_epilogue, simple_epilogue)
 from ..eta import EtaError, Program
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,7 @@ class EngineServer:
         programs = self.engine.programs
         return {"batch_sizes": dict(self.engine.batch_sizes), "kv": kv,
                 "decode_batch_sizes": dict(self.engine.decode_batch_sizes),
+                "row_epilogues": dict(self.engine.row_epilogues),
                 "hold": self.engine.scheduler.arrivals.stats(),
                 "programs": {"compiled": programs.misses, "cache_hits": programs.hits},
                 "channels": len(self.engine.channels), "requests": self.requests,
@@ -293,8 +295,12 @@ class _Connection:
         if kind == "program":
             programs.append(self._program(msg["epilogue"].get("id")))
             request = PassRequest(lanes, program_epilogue(programs[-1], rows, store, channels))
+            if rows == [1] and programs[-1].batchable:
+                request.rows_epilogue = rows_program_epilogue(programs[-1])
         else:
             request = PassRequest(lanes, simple_epilogue(kind))
+            if rows == [1] and kind in ROWS_EPILOGUES:
+                request.rows_epilogue = ROWS_EPILOGUES[kind]
         if msg.get("prologue") is not None:
             programs.append(self._program(msg["prologue"]))
             request.prologue = prologue_runner(programs[-1], store, channels)

@@ -46,6 +46,7 @@ class Engine:
         self.model_name = self.model_dir.name if Path(config.model).expanduser().exists() else config.model
         self.batch_sizes: Counter[int] = Counter()   # lanes per executed batch
         self.decode_batch_sizes: Counter[int] = Counter()   # the same, of batches of one row a lane
+        self.row_epilogues = Counter()               # "calls": batched epilogue runs, "passes": passes they served
         self._remote = remote
         self.channels = ChannelStore(worker.device, config.channel_memory_mb << 20)
         self.programs = ProgramCache()               # compiled eta programs, by IR hash
@@ -167,26 +168,60 @@ class Engine:
         self.batch_sizes[len(plan.lanes)] += 1
         if len(plan.input_ids) == len(plan.lanes):
             self.decode_batch_sizes[len(plan.lanes)] += 1
-        for p in planned:
-            req = p.request
-            try:                          # the epilogue first: if it fails, the pass never happened
-                rows = logits[p.rows]
-                result = req.epilogue(rows) if req.epilogue else rows.cpu()
-                with self._lock:
-                    self.scheduler.commit(p)
-            except Exception as e:        # a failing epilogue, or a sequence freed mid-batch
-                with self._lock:
-                    self.scheduler.rollback(p.undo)
-                    self.scheduler.fail(req, e)
-                continue
-            if req.repeat is None:
-                req.future.set_result(result)
-            else:
-                with self._lock:
-                    self.scheduler.repeat_ran(req)
-        now = time.monotonic()
+        # the epilogue first: if it fails, the pass never happened
+        results = self._batched_epilogues(planned, logits)
+        done: list[tuple[Planned, Any]] = []
+        failed: list[tuple[Planned, Exception]] = []
+        for i, p in enumerate(planned):
+            try:
+                if i in results:
+                    done.append((p, results[i]))
+                else:
+                    rows = logits[p.rows]
+                    done.append((p, p.request.epilogue(rows) if p.request.epilogue else rows.cpu()))
+            except Exception as e:
+                failed.append((p, e))
         with self._lock:
+            for p, e in failed:
+                self.scheduler.rollback(p.undo)
+                self.scheduler.fail(p.request, e)
+            for p, result in list(done):
+                try:
+                    self.scheduler.commit(p)
+                except Exception as e:    # its sequence was freed mid-batch
+                    self.scheduler.rollback(p.undo)
+                    self.scheduler.fail(p.request, e)
+                    done.remove((p, result))
+            for p, _ in done:
+                if p.request.repeat is not None:
+                    self.scheduler.repeat_ran(p.request)
+            now = time.monotonic()
             self.scheduler.served(planned, now, now - started)
+        for p, result in done:
+            if p.request.repeat is None:
+                p.request.future.set_result(result)
+
+    def _batched_epilogues(self, planned: list[Planned], logits: torch.Tensor) -> dict[int, Any]:
+        """Results of the passes whose epilogues run once for all passes sharing them (their
+        `rows_epilogue`), by index in `planned`; a group that fails falls back to each pass's own
+        epilogue, so a pass's error stays its own."""
+        groups: dict[Any, list[int]] = {}
+        for i, p in enumerate(planned):
+            batched = p.request.rows_epilogue
+            if batched is not None and p.rows.stop - p.rows.start == 1:
+                groups.setdefault(batched.key, []).append(i)
+        results: dict[int, Any] = {}
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            rows = logits[torch.tensor([planned[i].rows.start for i in members], device=logits.device)]
+            try:
+                outputs = planned[members[0]].request.rows_epilogue.run(rows)
+            except Exception:
+                continue
+            results.update(zip(members, outputs))
+            self.row_epilogues.update(calls=1, passes=len(members))
+        return results
 
     # ---- repeating passes (run-ahead) --------------------------------------------------------
     def ack(self, req: PassRequest, read: int) -> None:

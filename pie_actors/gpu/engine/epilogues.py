@@ -13,11 +13,11 @@ import torch
 
 from . import wire
 from .channels import ChannelError, ChannelStore
-from .scheduler import Epilogue
+from .scheduler import Epilogue, RowEpilogue
 from ..eta import EtaError, Program, argmax
 
-__all__ = ["EpilogueError", "PassEnv", "program_epilogue", "prologue_runner", "adapter_fn", "simple_epilogue",
-           "SIMPLE"]
+__all__ = ["EpilogueError", "PassEnv", "program_epilogue", "rows_program_epilogue", "prologue_runner",
+           "adapter_fn", "simple_epilogue", "SIMPLE", "ROWS_EPILOGUES"]
 
 class EpilogueError(RuntimeError):
     """An epilogue failed on its logits, or returned something that cannot be sent."""
@@ -33,6 +33,9 @@ def _logits(logits: torch.Tensor) -> Any:
 
 
 SIMPLE: dict[str, Epilogue] = {"argmax": _argmax, "logits": _logits}
+# the same, once for the single read-out rows of many passes (each pass's result: a list of one token)
+ROWS_EPILOGUES: dict[str, RowEpilogue] = {
+    "argmax": RowEpilogue("argmax", lambda rows: [[token] for token in argmax(rows).tolist()])}
 
 
 def _guarded(name: str, run: Epilogue) -> Epilogue:
@@ -108,6 +111,14 @@ def program_epilogue(program: Program, rows_per_lane: list[int], channels: Chann
     def run(logits: torch.Tensor) -> list[Any]:
         return _wire(program.run(PassEnv(logits, rows_per_lane, channels, owned)))
     return _guarded(f"program {program.hash[:12]}", run)
+
+
+def rows_program_epilogue(program: Program) -> RowEpilogue:
+    """A `batchable` program run once for the single read-out rows of many passes."""
+    def run(rows: torch.Tensor) -> list[list[Any]]:
+        columns = [value.tolist() for value in program.run_rows(rows)]
+        return [list(row) for row in zip(*columns)]
+    return RowEpilogue(program, run)
 
 
 def adapter_fn(program: Program, channels: ChannelStore, owned: set[int]) -> Callable:

@@ -94,10 +94,22 @@ class Repeat:
     first: int = 0
 
 
+@dataclass(frozen=True)
+class RowEpilogue:
+    """An epilogue the engine may run once for many passes that each read out one row: `run(rows)`
+    takes [passes, vocab] and gives each pass's result, in order. Passes whose `key` is the same
+    share one call (one launch a batch, not one a pass); the pass's own `epilogue` must give the
+    same result alone."""
+
+    key: Any
+    run: Callable[[torch.Tensor], list[Any]]
+
+
 @dataclass
 class PassRequest:
     lanes: list[Lane]
     epilogue: Epilogue | None = None      # logits [rows read out, vocab] -> result; default returns logits on CPU
+    rows_epilogue: RowEpilogue | None = None   # the same epilogue, batchable across passes
     future: Future = field(default_factory=Future)
     prologue: Callable[[], None] | None = None   # runs when the pass is planned, before its inputs are taken
     channels: list[int] = field(default_factory=list)   # channels it uses: poisoned if it fails

@@ -99,6 +99,7 @@ class Stats(TypedDict):
     batch_sizes: dict[int, int]   # lanes per batch -> batches run
     decode_batch_sizes: dict[int, int]   # the same, of batches of one row a lane (decode steps)
     hold: dict[str, float]        # the scheduler's waits for coming programs (scheduler.Arrivals)
+    row_epilogues: dict[str, int] # epilogues run once for many passes: calls, passes they served
     kv: dict[str, int]            # total, free, referenced, cached pages
     connections: int
     requests: int                 # frames the data plane received, all connections together

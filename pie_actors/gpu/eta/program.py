@@ -227,11 +227,40 @@ def fold(parsed: Parsed, device: torch.device) -> dict[int, torch.Tensor]:
     return consts
 
 
+# Ops that keep a row's values in that row when lane outputs carry a leading row dimension, and the
+# reductions over the last dimension (safe when their results are only the program's outputs).
+_ROW_OPS = frozenset({"output", "add", "sub", "mul", "div", "neg", "abs", "exp", "log", "cos", "max_elem",
+                      "min_elem", "eq", "ne", "lt", "le", "gt", "ge", "and", "select", "cast",
+                      "softmax", "log_softmax"})
+_ROW_REDUCTIONS = frozenset({"reduce_max", "reduce_sum", "reduce_argmax", "l2norm", "entropy"})
+
+
+def rows_independent(parsed: Parsed, consts: dict[int, torch.Tensor]) -> bool:
+    """Whether the program computes each read-out row on its own and reads only lane 0, so that
+    the single rows of many passes can run as one lane of many rows (`Program.run_rows`): row ops
+    on rows and constants, last-dimension reductions whose results are only outputs, no channels."""
+    reduced: set[int] = set()
+    for node in parsed.nodes:
+        if node.index in consts:
+            continue
+        name = node.spec.name
+        if name == "output" and node.args[0] != 0:
+            return False
+        if name in _ROW_REDUCTIONS:
+            reduced.add(node.index)
+        elif name not in _ROW_OPS:
+            return False
+        if any(ref in reduced for _, ref in node.refs):
+            return False
+    return all(o not in consts for o in parsed.outputs)
+
+
 class Program:
     """A compiled eta program. Run it once per pass with the pass's Env.
 
     Output tensors are on the program's device; treat them as read-only (an output that is a
-    constant is the same tensor every run)."""
+    constant is the same tensor every run). `batchable` programs may also run once for the single
+    read-out rows of many passes (`run_rows`): one launch a batch instead of one a pass."""
 
     backend = "torch"
 
@@ -245,6 +274,7 @@ class Program:
         self.nodes = parsed.nodes
         self.consts = consts
         self._steps = [n for n in parsed.nodes if n.index not in consts]
+        self.batchable = rows_independent(parsed, consts)
 
     def evaluate(self, env: Env, consts: dict[int, torch.Tensor]) -> list:
         """Every op's value (None for put), with `consts` standing for the folded ops."""
@@ -259,6 +289,11 @@ class Program:
         """The program's output tensors for one pass; a bad shape or missing input raises EtaError."""
         values = self.evaluate(env, self.consts)
         return [values[o] for o in self.outputs]
+
+    def run_rows(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """A `batchable` program's outputs for many passes' single read-out rows [passes, vocab]:
+        output i's row p is what pass p alone would get."""
+        return self.run(TensorEnv({(0, "logits"): rows.float()}))
 
     def __repr__(self) -> str:
         return f"<eta Program {self.hash[:12]} {self.backend} {len(self.nodes)} ops>"

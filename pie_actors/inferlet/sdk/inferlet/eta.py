@@ -284,7 +284,10 @@ class Channel:
 
     async def take_scalar(self):
         """The next value, as a number, once the device has put it."""
-        return await _host.call_async("chan.take_scalar", self._h())
+        got = _host.call("chan.take_scalar", self._h())
+        if "value" in got:
+            return got["value"]
+        return await _host.future(got["future"])
 
     def _layout(self) -> list[int]:
         """The values of a host-filled channel used as a pass's lane layout (indptr)."""
