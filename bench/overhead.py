@@ -1,5 +1,6 @@
-"""Per-pass cost of the data plane: client -> engine -> result, with the dummy model (its compute is small,
-so the table shows what the path around the engine costs).
+"""Per-pass cost of the data plane: client -> engine -> result, with a dummy model whose compute is small
+(`dummy-small`: 2 layers, hidden 64, 512 token ids), so the tables show what the path around the model
+costs: the engine's own bookkeeping, the socket, a Ray call.
 
     python bench/overhead.py [--clients 1,16,64] [--passes 128] [--repeats 3] [--out bench/RESULTS.md]
 
@@ -10,7 +11,9 @@ Three ways to reach the same engine (dummy model, float32, CPU, 1 torch thread),
 Each of N concurrent clients (coroutines on the driver's event loop) decodes `--passes` one-token
 passes with the argmax epilogue on its own sequence; sequences are created and prefilled before the
 clock starts. passes/s = N x passes / wall time; µs per pass = its inverse; round trip = the time one
-client waits per pass. Median of `--repeats` runs, after a warm-up run.
+client waits per pass. Median of `--repeats` runs, after a warm-up run. The second table splits the
+engine's executed steps (its `step_seconds`) per lane: planning (scheduler, page tables), the model
+forward, the epilogues, and finishing (commits, futures); plan + finish is the engine's own cost.
 """
 from __future__ import annotations
 
@@ -30,14 +33,16 @@ from report import add_output_options, publish
 
 from pie_actors.config import load
 from pie_actors.gpu.engine import Engine, Lane, PassRequest
-from pie_actors.gpu.engine.epilogues import simple_epilogue
+from pie_actors.gpu.engine.epilogues import ROWS_EPILOGUES, SIMPLE_EPILOGUES
 from pie_actors.gpu.engine.actor import start_engine_actor
 from pie_actors.inferlet.engine_client import EngineClient
 from pie_actors.model_store import resolve_model
 
 ENGINE = dict(device="cpu", dtype="float32", num_pages=2048, num_threads=1)
+VOCAB = 512          # dummy-small's
 PROMPT_LEN = 4
-ARGMAX = simple_epilogue("argmax")
+ARGMAX = SIMPLE_EPILOGUES["argmax"]
+ROWS = ROWS_EPILOGUES["argmax"]     # as the data plane sets it: one argmax a batch
 
 # A client: (create + prefill a sequence -> seq, decode one token on seq -> token, free seq)
 Client = tuple[Callable[[list[int]], Awaitable[int]], Callable[[int, int], Awaitable[int]],
@@ -56,7 +61,7 @@ class RayForward:
         return seq
 
     async def forward(self, seq: int, tokens: list[int]) -> int:
-        [token] = await asyncio.wrap_future(self.engine.submit(PassRequest([Lane(seq, tokens)], ARGMAX)))
+        [token] = await asyncio.wrap_future(self.engine.submit(PassRequest([Lane(seq, tokens)], ARGMAX, ROWS)))
         return token
 
     def free(self, seq: int) -> None:
@@ -65,7 +70,7 @@ class RayForward:
 
 def direct_client(engine: Engine) -> Client:
     async def forward(seq: int, tokens: list[int]) -> int:
-        [token] = await asyncio.wrap_future(engine.submit(PassRequest([Lane(seq, tokens)], ARGMAX)))
+        [token] = await asyncio.wrap_future(engine.submit(PassRequest([Lane(seq, tokens)], ARGMAX, ROWS)))
         return token
 
     async def create(prompt: list[int]) -> int:
@@ -105,7 +110,7 @@ def ray_client(actor) -> Client:
 async def run_once(clients: list[Client], passes: int) -> float:
     """Seconds for every client to decode `passes` tokens, all clients at once."""
     rng = random.Random(0)
-    seqs = await asyncio.gather(*(c[0]([rng.randrange(17, 49152) for _ in range(PROMPT_LEN)]) for c in clients))
+    seqs = await asyncio.gather(*(c[0]([rng.randrange(17, VOCAB) for _ in range(PROMPT_LEN)]) for c in clients))
 
     async def decode(client: Client, seq: int) -> None:
         token = 17
@@ -124,24 +129,47 @@ async def measure(clients: list[Client], passes: int, repeats: int) -> float:
     return statistics.median([await run_once(clients, passes) for _ in range(repeats)])
 
 
-async def bench(model_dir: str, counts: list[int], passes: int, repeats: int) -> dict[tuple[int, str], float]:
-    """(clients, mode) -> seconds for clients x passes passes."""
+async def bench(model_dir: str, counts: list[int], passes: int, repeats: int
+                ) -> tuple[dict[tuple[int, str], float], dict[tuple[int, str], dict[str, float]]]:
+    """(clients, mode) -> seconds for clients x passes passes; and, for the direct and socket modes,
+    the engine's step seconds per lane by part over those runs."""
     engine = Engine.from_model(model_dir, **ENGINE).start()
-    _, address = start_engine_actor(load(model=model_dir, **ENGINE).engine, host="127.0.0.1")
+    actor, address = start_engine_actor(load(model=model_dir, **ENGINE).engine, host="127.0.0.1")
     forwarder = ray.remote(num_cpus=0)(RayForward).remote(model_dir)
-    results = {}
+    stats = {"direct": lambda: {"step_seconds": dict(engine.step_seconds), "batch_sizes": dict(engine.batch_sizes)},
+             "socket": lambda: ray.get(actor.stats.remote())}
+    results, parts = {}, {}
     for n in counts:
         connections = [await EngineClient.connect(*address) for _ in range(n)]
         modes = {"direct": [direct_client(engine)] * n,
                  "socket": [socket_client(c) for c in connections],
                  "ray": [ray_client(forwarder)] * n}
         for mode, clients in modes.items():
+            before = stats[mode]() if mode in stats else None
             results[n, mode] = await measure(clients, passes, repeats)
+            if before is not None:
+                parts[n, mode] = per_lane(before, stats[mode]())
             print(f"  {n} clients, {mode}: {n * passes / results[n, mode]:.0f} passes/s", file=sys.stderr)
         for c in connections:
             await c.close()
     engine.close()
-    return results
+    return results, parts
+
+
+def per_lane(before: dict, after: dict) -> dict[str, float]:
+    """µs per executed lane of each part of the steps run between two stats snapshots."""
+    lanes = sum(int(k) * (v - before["batch_sizes"].get(k, 0)) for k, v in after["batch_sizes"].items())
+    return {part: (after["step_seconds"].get(part, 0) - before["step_seconds"].get(part, 0)) / lanes * 1e6
+            for part in ("plan", "model", "epilogue", "finish")}
+
+
+def parts_table(parts: dict[tuple[int, str], dict[str, float]]) -> str:
+    lines = ["| clients | path | plan µs/lane | model µs/lane | epilogue µs/lane | finish µs/lane "
+             "| engine's own (plan + finish) µs/lane |", "|---|---|---|---|---|---|---|"]
+    for (n, mode), p in parts.items():
+        lines.append(f"| {n} | {mode} | {p['plan']:.1f} | {p['model']:.1f} | {p['epilogue']:.1f} | "
+                     f"{p['finish']:.1f} | {p['plan'] + p['finish']:.1f} |")
+    return "\n".join(lines)
 
 
 def table(results: dict[tuple[int, str], float], passes: int) -> str:
@@ -159,21 +187,23 @@ def main() -> None:
     ap.add_argument("--clients", default="1,16,64", help="comma list of concurrent client counts")
     ap.add_argument("--passes", type=int, default=128, help="one-token passes per client per run")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", default="dummy-small", help="dummy-small, or dummy (the default model's 49,152-row head)")
     add_output_options(ap, "Data plane overhead")
     args = ap.parse_args()
-    model_dir = str(resolve_model("dummy"))
+    model_dir = str(resolve_model(args.model))
 
     load_before = os.getloadavg()[0]
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     try:
-        results = uvloop.run(bench(model_dir, [int(n) for n in args.clients.split(",")], args.passes, args.repeats))
+        results, parts = uvloop.run(bench(model_dir, [int(n) for n in args.clients.split(",")], args.passes,
+                                          args.repeats))
     finally:
         ray.shutdown()
     env = (f"{platform.machine()}, {os.cpu_count()} cores, Ray {ray.__version__}, uvloop {uvloop.__version__}; "
-           f"dummy model (2 layers, hidden 64), float32, 1 torch thread per engine; {args.passes} passes per "
+           f"{args.model} model (2 layers, hidden 64), float32, 1 torch thread per engine; {args.passes} passes per "
            f"client, median of {args.repeats}; 1-min load average {load_before:.1f} before, "
            f"{os.getloadavg()[0]:.1f} after")
-    report = table(results, args.passes) + "\n"
+    report = table(results, args.passes) + "\n\n" + parts_table(parts) + "\n"
     publish(env, report, args.out, args.title)
 
 

@@ -24,9 +24,9 @@ from ...kvstore import KVStoreError, UnknownSequence
 from ..model.adapters import parse_site
 from .channels import ChannelError
 from .engine import Engine
-from .scheduler import Lane, PassError, PassRequest, Repeat
-from .epilogues import (ROWS_EPILOGUES, SIMPLE, EpilogueError, adapter_fn, program_epilogue, prologue_runner,
-                        rows_program_epilogue, simple_epilogue)
+from .scheduler import Epilogue, Lane, PassError, PassRequest, Repeat, RowEpilogue
+from .epilogues import (ROWS_EPILOGUES, SIMPLE, SIMPLE_EPILOGUES, EpilogueError, adapter_fn, program_epilogue,
+                        prologue_runner, rows_program_epilogue)
 from ..eta import EtaError, Program
 
 log = logging.getLogger(__name__)
@@ -38,11 +38,6 @@ class BadRequest(ValueError):
     """A request whose shape or field types are wrong."""
 
 
-def _channels_of(program: Program) -> set[int]:
-    """The channels a program takes from or puts into."""
-    return {node.args[0] for node in program.nodes if node.spec.name in ("take", "put")}
-
-
 def _epilogue_kind(spec: Any) -> str:
     kinds = [*SIMPLE, "program"]
     if not isinstance(spec, dict) or spec.get("kind") not in kinds:
@@ -52,27 +47,30 @@ def _epilogue_kind(spec: Any) -> str:
 
 # ---- wire input validation ---------------------------------------------------------------------------
 
-def _int(value: Any, what: str) -> int:
+# The checkers name the field as the concatenation of `what`: formatted only for the error message,
+# since every pass's every lane goes through them.
+
+def _int(value: Any, *what: str) -> int:
     if type(value) is not int:   # bool is an int subclass: refuse it too
-        raise BadRequest(f"{what} must be an integer, got {value!r:.40}")
+        raise BadRequest(f"{''.join(what)} must be an integer, got {value!r:.40}")
     return value
 
 
-def _ints(value: Any, what: str) -> list[int]:
+def _ints(value: Any, *what: str) -> list[int]:
     if not isinstance(value, list) or any(type(v) is not int for v in value):
-        raise BadRequest(f"{what} must be a list of integers, got {value!r:.60}")
+        raise BadRequest(f"{''.join(what)} must be a list of integers, got {value!r:.60}")
     return value
 
 
-def _mask(value: Any, what: str) -> list[list[bool]]:
+def _mask(value: Any, *what: str) -> list[list[bool]]:
     if not isinstance(value, list) or not all(isinstance(r, list) and all(type(b) is bool for b in r)
                                               for r in value):
-        raise BadRequest(f"{what} must be a list of lists of booleans")
+        raise BadRequest(f"{''.join(what)} must be a list of lists of booleans")
     return value
 
 
-def _optional(check: Callable[[Any, str], Any], value: Any, what: str) -> Any:
-    return None if value is None else check(value, what)
+def _optional(check: Callable[..., Any], value: Any, *what: str) -> Any:
+    return None if value is None else check(value, *what)
 
 
 # op -> (required fields, optional fields)
@@ -140,6 +138,7 @@ class EngineServer:
         return {"batch_sizes": dict(self.engine.batch_sizes), "kv": kv,
                 "decode_batch_sizes": dict(self.engine.decode_batch_sizes),
                 "row_epilogues": dict(self.engine.row_epilogues),
+                "step_seconds": dict(self.engine.step_seconds),
                 "hold": self.engine.scheduler.arrivals.stats(),
                 "programs": {"compiled": programs.misses, "cache_hits": programs.hits},
                 "channels": len(self.engine.channels), "requests": self.requests,
@@ -205,6 +204,7 @@ class _Connection:
         self.owned: set[int] = set()                  # sequences
         self.channels: set[int] = set()
         self.programs: list[Program] = []             # registered eta programs, by id
+        self._made: dict[tuple[int, tuple[int, ...]], tuple[Epilogue, RowEpilogue | None]] = {}
         self.repeats: dict[int, PassRequest] = {}     # pass request id -> its repeating pass
 
     def send(self, message: dict[str, Any]) -> None:
@@ -293,14 +293,12 @@ class _Connection:
         kind = _epilogue_kind(msg["epilogue"])
         programs = []                     # the pass's eta programs: their channels are its channels
         if kind == "program":
-            programs.append(self._program(msg["epilogue"].get("id")))
-            request = PassRequest(lanes, program_epilogue(programs[-1], rows, store, channels))
-            if rows == [1] and programs[-1].batchable:
-                request.rows_epilogue = rows_program_epilogue(programs[-1])
+            pid = msg["epilogue"].get("id")
+            programs.append(self._program(pid))
+            request = PassRequest(lanes, *self._epilogues(pid, rows))
         else:
-            request = PassRequest(lanes, simple_epilogue(kind))
-            if rows == [1] and kind in ROWS_EPILOGUES:
-                request.rows_epilogue = ROWS_EPILOGUES[kind]
+            request = PassRequest(lanes, SIMPLE_EPILOGUES[kind],
+                                  ROWS_EPILOGUES.get(kind) if rows == [1] else None)
         if msg.get("prologue") is not None:
             programs.append(self._program(msg["prologue"]))
             request.prologue = prologue_runner(programs[-1], store, channels)
@@ -308,13 +306,25 @@ class _Connection:
             programs.append(self._program(pid))
             request.adapters.append((*site, adapter_fn(programs[-1], store, channels)))
         used = {lane.tokens_from for lane in lanes if lane.tokens_from is not None}
-        request.channels = sorted(used.union(*map(_channels_of, programs)))
+        request.channels = sorted(used.union(*(p.channels for p in programs)))
         if msg.get("repeat") is not None:
             request.repeat = self._repeat(msg["repeat"])
             self.repeats[msg["id"]] = request
         request.owner = self.id
         self.engine.submit(request).add_done_callback(partial(self._pass_done, msg["id"]))
         return _PENDING
+
+    def _epilogues(self, pid: int, rows: list[int]) -> tuple[Epilogue, RowEpilogue | None]:
+        """Program `pid`'s epilogue for passes reading `rows` (built once a connection: the same
+        program serves every pass of a decode loop), and its batched form where it has one."""
+        key = (pid, tuple(rows))
+        made = self._made.get(key)
+        if made is None:
+            program = self.programs[pid]
+            made = self._made[key] = (
+                program_epilogue(program, rows, self.engine.channels, self.channels),
+                rows_program_epilogue(program) if rows == [1] and program.batchable else None)
+        return made
 
     def _program(self, pid: Any) -> Program:
         if type(pid) is not int or not 0 <= pid < len(self.programs):
@@ -342,18 +352,19 @@ class _Connection:
         if not isinstance(lane, dict) or not {"seq", "tokens"} <= lane.keys() or lane.keys() - _LANE_FIELDS:
             raise BadRequest(f"lane {i}: a map with 'seq' and 'tokens' and optional "
                              f"{sorted(_LANE_FIELDS - {'seq', 'tokens'})}")
+        at = f"lane {i}: "
         fold = lane.get("fold", True)
         if type(fold) is not bool:
-            _int(fold, f"lane {i}: fold")
-        tokens_from = _optional(_int, lane.get("tokens_from"), f"lane {i}: tokens_from")
+            _int(fold, at, "fold")
+        tokens_from = _optional(_int, lane.get("tokens_from"), at, "tokens_from")
         if tokens_from is not None:
             self._chan(tokens_from)
-        return Lane(seq=self._own(lane["seq"]), tokens=_ints(lane["tokens"], f"lane {i}: tokens"),
-                    positions=_optional(_ints, lane.get("positions"), f"lane {i}: positions"),
-                    slots=_optional(_ints, lane.get("slots"), f"lane {i}: slots"),
-                    kv_len=_optional(_int, lane.get("kv_len"), f"lane {i}: kv_len"),
-                    mask=_optional(_mask, lane.get("mask"), f"lane {i}: mask"), fold=fold,
-                    readout=_optional(_ints, lane.get("readout"), f"lane {i}: readout"),
+        return Lane(seq=self._own(lane["seq"]), tokens=_ints(lane["tokens"], at, "tokens"),
+                    positions=_optional(_ints, lane.get("positions"), at, "positions"),
+                    slots=_optional(_ints, lane.get("slots"), at, "slots"),
+                    kv_len=_optional(_int, lane.get("kv_len"), at, "kv_len"),
+                    mask=_optional(_mask, lane.get("mask"), at, "mask"), fold=fold,
+                    readout=_optional(_ints, lane.get("readout"), at, "readout"),
                     tokens_from=tokens_from)
 
     # ---- programs, channels, repeats -------------------------------------------------------------------

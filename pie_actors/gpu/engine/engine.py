@@ -47,6 +47,9 @@ class Engine:
         self.batch_sizes: Counter[int] = Counter()   # lanes per executed batch
         self.decode_batch_sizes: Counter[int] = Counter()   # the same, of batches of one row a lane
         self.row_epilogues = Counter()               # "calls": batched epilogue runs, "passes": passes they served
+        # seconds of executed steps by part: "plan" (scheduling, page tables), "model" (the forward
+        # on the workers), "epilogue", "finish" (commits, futures); the engine's own cost is plan + finish
+        self.step_seconds: Counter[str] = Counter()
         self._remote = remote
         self.channels = ChannelStore(worker.device, config.channel_memory_mb << 20)
         self.programs = ProgramCache()               # compiled eta programs, by IR hash
@@ -138,9 +141,11 @@ class Engine:
 
     def step(self) -> int:
         """Run one batch of pending passes. Returns how many passes it completed or rejected."""
+        started = time.perf_counter()
         with self._lock:
             planned, plan, handled = self.scheduler.schedule()
         if planned:
+            self.step_seconds["plan"] += time.perf_counter() - started
             self._execute(planned, plan)
         elif plan.copies:
             self._broadcast_and_run(plan)
@@ -157,8 +162,11 @@ class Engine:
 
     def _execute(self, planned: list[Planned], plan: BatchPlan) -> None:
         started = time.monotonic()
+        t0 = time.perf_counter()
         try:
             logits = self._broadcast_and_run(plan)
+            if logits.device.type == "cuda":
+                torch.cuda.synchronize(logits.device)    # so that "model" holds the forward's time
         except Exception as e:            # a worker failure fails the whole batch, nothing else
             with self._lock:
                 for p in planned:
@@ -168,6 +176,7 @@ class Engine:
         self.batch_sizes[len(plan.lanes)] += 1
         if len(plan.input_ids) == len(plan.lanes):
             self.decode_batch_sizes[len(plan.lanes)] += 1
+        t1 = time.perf_counter()
         # the epilogue first: if it fails, the pass never happened
         results = self._batched_epilogues(planned, logits)
         done: list[tuple[Planned, Any]] = []
@@ -181,6 +190,7 @@ class Engine:
                     done.append((p, p.request.epilogue(rows) if p.request.epilogue else rows.cpu()))
             except Exception as e:
                 failed.append((p, e))
+        t2 = time.perf_counter()
         with self._lock:
             for p, e in failed:
                 self.scheduler.rollback(p.undo)
@@ -200,6 +210,7 @@ class Engine:
         for p, result in done:
             if p.request.repeat is None:
                 p.request.future.set_result(result)
+        self.step_seconds.update(model=t1 - t0, epilogue=t2 - t1, finish=time.perf_counter() - t2, steps=1)
 
     def _batched_epilogues(self, planned: list[Planned], logits: torch.Tensor) -> dict[int, Any]:
         """Results of the passes whose epilogues run once for all passes sharing them (their

@@ -17,7 +17,7 @@ from .scheduler import Epilogue, RowEpilogue
 from ..eta import EtaError, Program, argmax
 
 __all__ = ["EpilogueError", "PassEnv", "program_epilogue", "rows_program_epilogue", "prologue_runner",
-           "adapter_fn", "simple_epilogue", "SIMPLE", "ROWS_EPILOGUES"]
+           "adapter_fn", "SIMPLE", "SIMPLE_EPILOGUES", "ROWS_EPILOGUES"]
 
 class EpilogueError(RuntimeError):
     """An epilogue failed on its logits, or returned something that cannot be sent."""
@@ -49,8 +49,7 @@ def _guarded(name: str, run: Epilogue) -> Epilogue:
     return guarded
 
 
-def simple_epilogue(kind: str) -> Epilogue:
-    return _guarded(repr(kind), SIMPLE[kind])
+SIMPLE_EPILOGUES: dict[str, Epilogue] = {kind: _guarded(repr(kind), run) for kind, run in SIMPLE.items()}
 
 
 class PassEnv:

@@ -145,7 +145,7 @@ class Arrivals:
         self.step_end = 0.0
         self.step_s = 0.0                       # exponential average of step times
         self._rtts: deque[float] = deque(maxlen=self.SAMPLES)
-        self._sorted: list[float] = []
+        self._sorted: list[float] | None = []
         self._hold_start: float | None = None
         self.holds = 0                          # steps that waited for expected programs
         self.expired = 0                        # ... and reached the bound before all of them came
@@ -153,6 +153,8 @@ class Arrivals:
         self.held_s = 0.0
 
     def bound(self) -> float:
+        if self._sorted is None:
+            self._sorted = sorted(self._rtts)
         rtt = self._sorted[int(0.9 * (len(self._sorted) - 1))] if self._sorted else self.FIRST_RTT_S
         return min(self.RTT_FACTOR * rtt, self.STEP_FRACTION * self.step_s)
 
@@ -176,7 +178,7 @@ class Arrivals:
             since = self.late.pop(owner, None)
         if since is not None:
             self._rtts.append(now - since)
-            self._sorted = sorted(self._rtts)
+            self._sorted = None               # sorted again when the bound is next asked for
 
     def idle(self, owner: int | None) -> None:
         """The program waits on something other than the engine: do not wait for it."""

@@ -100,6 +100,7 @@ class Stats(TypedDict):
     decode_batch_sizes: dict[int, int]   # the same, of batches of one row a lane (decode steps)
     hold: dict[str, float]        # the scheduler's waits for coming programs (scheduler.Arrivals)
     row_epilogues: dict[str, int] # epilogues run once for many passes: calls, passes they served
+    step_seconds: dict[str, float]  # executed steps' time by part: plan, model, epilogue, finish; steps
     kv: dict[str, int]            # total, free, referenced, cached pages
     connections: int
     requests: int                 # frames the data plane received, all connections together

@@ -275,6 +275,7 @@ class Program:
         self.consts = consts
         self._steps = [n for n in parsed.nodes if n.index not in consts]
         self.batchable = rows_independent(parsed, consts)
+        self.channels = frozenset(n.args[0] for n in parsed.nodes if n.spec.name in ("take", "put"))
 
     def evaluate(self, env: Env, consts: dict[int, torch.Tensor]) -> list:
         """Every op's value (None for put), with `consts` standing for the folded ops."""
