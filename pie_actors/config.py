@@ -56,8 +56,13 @@ class EngineConfig:
     max_batch_tokens: int = _doc("most tokens one batched forward pass may hold", default=4096)
     tp: int = _doc("tensor-parallel degree (number of workers a model is split over); it must divide "
                    "the model's attention heads, KV heads, MLP width and vocabulary", default=1)
-    compile: bool = _doc("run decode batches through torch.compile (faster steady state; each batch-size "
-                         "bucket compiles once, which takes a minute or more on a CPU)", default=False)
+    compile: str = _doc('run decode batches through torch.compile: "on", "off", or "auto" (engines that serve '
+                        "for long, pie serve's and the cluster's, compile on CUDA and on CPUs with AVX2 or "
+                        "better; one-shot runs only once their graphs are cached). Each batch-size bucket "
+                        "compiles once at start, a minute or more on a CPU; the caches live under "
+                        "$PIE_HOME/cache", default="auto")
+    compile_max_batch: int = _doc("the largest decode batch (lanes) that runs compiled; larger ones run eager",
+                                  default=64)
     num_threads: int = _doc("CPU threads for the model; 0: every core this process may use", default=0)
     hugepages: bool = _doc("CPU: weights and KV pages on transparent huge pages (bench/RESULTS.md)",
                            default=True)
@@ -71,6 +76,8 @@ class EngineConfig:
     channel_memory_mb: int = _doc("engine memory all channels together may reserve", default=256)
 
     def __post_init__(self) -> None:
+        if isinstance(self.compile, bool):                      # compile=True / False, as a switch
+            object.__setattr__(self, "compile", "on" if self.compile else "off")
         _check_types(self, "engine")
         if not _DEVICE.fullmatch(self.device):
             raise ConfigError(f'engine.device must be "auto", "cpu", "cuda" or "cuda:N", got {self.device!r}')
@@ -78,8 +85,10 @@ class EngineConfig:
             raise ConfigError(f"engine.dtype must be one of {', '.join(sorted(set(_DTYPES.values())))}, "
                               f"got {self.dtype!r}")
         object.__setattr__(self, "dtype", _DTYPES[self.dtype])
+        if self.compile not in ("auto", "on", "off"):
+            raise ConfigError(f'engine.compile must be "auto", "on" or "off", got {self.compile!r}')
         _check_min(self, "engine", page_size=1, kv_memory_mb=1, num_pages=0, max_batch_tokens=1, tp=1,
-                   num_threads=0, max_programs=1, channel_memory_mb=1)
+                   num_threads=0, max_programs=1, channel_memory_mb=1, compile_max_batch=1)
         if not self.model:
             raise ConfigError("engine.model must name a model")
 

@@ -54,14 +54,15 @@ class Controller:
         while len(self.idle) < self.pool_size:
             self.idle.append(cls.remote())      # not awaited: the pool warms up in the background
 
-    def engine(self, config: EngineConfig) -> tuple[Any, tuple[str, int]]:
+    def engine(self, config: EngineConfig, long_lived: bool = True) -> tuple[Any, tuple[str, int]]:
         """The engine of `config.model` (its actor and data-plane address), started in the cluster
-        on first use. Asking with other settings than the running engine's is an EngineMismatch:
-        one engine per model, never reused silently for settings it does not have."""
+        on first use (`long_lived`: see `Engine.from_config`). Asking with other settings than the
+        running engine's is an EngineMismatch: one engine per model, never reused silently for
+        settings it does not have."""
         running = self.engines.get(config.model)
         if running is None:
             from .gpu.engine.actor import start_engine_actor
-            actor, address = start_engine_actor(config)
+            actor, address = start_engine_actor(config, long_lived=long_lived)
             running = self.engines[config.model] = _Engine(config, actor, address)
         elif running.config != config:
             raise EngineMismatch(

@@ -34,12 +34,13 @@ class Runtime:
         self._backend, self.config = backend, config
 
     @classmethod
-    def local(cls, model: str | None = None, **settings: Any) -> Runtime:
+    def local(cls, model: str | None = None, *, long_lived: bool = False, **settings: Any) -> Runtime:
         """Everything in this process, no Ray: the engine for `model` (default: the configured one),
         its data plane on a local port, and the sandbox. `settings` override the config by name
-        (`dtype="float32"`, `timeout_s=60`, ...)."""
+        (`dtype="float32"`, `timeout_s=60`, ...). `long_lived`: the runtime will serve for long (a
+        server), so compile "auto" compiles its engine."""
         config = load(model=model, **settings)
-        return cls(_Local(config), config)
+        return cls(_Local(config, long_lived), config)
 
     @classmethod
     def connect(cls, address: str | None = None, **settings: Any) -> Runtime:
@@ -91,10 +92,10 @@ class Runtime:
 # ---- in this process -----------------------------------------------------------------------------
 
 class _Local:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, long_lived: bool) -> None:
         from .gpu.engine.data_plane import serve_model
 
-        self.server, self.address = serve_model(config.engine)
+        self.server, self.address = serve_model(config.engine, long_lived=long_lived)
         self.engine = self.server.engine
         self.runs: dict[str, Any] = {}              # process name -> its Run, while it runs
         self._lock = threading.Lock()
@@ -175,7 +176,9 @@ class _Cluster:
             _init_ray(address)
         self.controller = controller.connect(config.pool_size)
         try:
-            self.engine_actor, self.address = ray.get(self.controller.engine.remote(config.engine))
+            # a cluster started for this runtime ends with it: its engine is a one-shot's
+            self.engine_actor, self.address = ray.get(
+                self.controller.engine.remote(config.engine, long_lived=not self.started_ray))
         except ray.exceptions.RayTaskError as e:
             if self.started_ray:
                 ray.shutdown()

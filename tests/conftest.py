@@ -35,7 +35,8 @@ def runtime(default_model_dir):
     """The default model (float32) in a local Runtime: engine, data plane and sandbox in this
     process; two-minute deadline per run."""
     from pie_actors import Runtime
-    with Runtime.local(str(default_model_dir), dtype="float32", num_pages=256, timeout_s=120) as rt:
+    with Runtime.local(str(default_model_dir), dtype="float32", num_pages=256, timeout_s=120,
+                       compile="off") as rt:
         yield rt
 
 

@@ -33,7 +33,8 @@ def save_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
 
 
 def make_engine(model_dir: Path, *, num_pages: int = 256, dtype: str = "float32", **settings) -> Engine:
-    """An engine on the CPU; `settings` are further engine settings by name (page_size, hugepages...)."""
+    """An eager engine on the CPU; `settings` are further engine settings by name (page_size, hugepages...)."""
+    settings.setdefault("compile", "off")
     return Engine.from_model(str(model_dir), device="cpu", dtype=dtype, num_pages=num_pages, **settings)
 
 

@@ -78,7 +78,7 @@ def test_concurrent_one_pass_per_token_programs_share_every_decode_step(runtime)
 
 def test_without_the_wait_the_batch_splits(default_model_dir):
     """The control: the same programs with `wait_for_programs` off do not fill their steps."""
-    with Runtime.local(str(default_model_dir), dtype="float32", num_pages=256,
+    with Runtime.local(str(default_model_dir), dtype="float32", num_pages=256, compile="off",
                        wait_for_programs=False) as runtime:
         prompts = [f"Story {i}: once upon a time, in a country far away, there lived a" for i in range(N)]
         _, batches = _lockstep(runtime, prompts)

@@ -168,7 +168,7 @@ def test_engine_config_checks_the_tensor_parallel_split_and_names_differences():
     with pytest.raises(config.ConfigError, match=r"does not divide the model's attention heads \(9\)"):
         config.EngineConfig(tp=2).check_model(model)
     a, b = config.EngineConfig(), config.EngineConfig(dtype="float32", compile=True)
-    assert a.differences(b) == ["dtype='auto' (asked: 'float32')", "compile=False (asked: True)"]
+    assert a.differences(b) == ["dtype='auto' (asked: 'float32')", "compile='auto' (asked: 'on')"]
 
 
 def test_pie_home_default(monkeypatch):

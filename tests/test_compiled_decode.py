@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pie_actors.gpu.kernels import amx_gemm
-from pie_actors.gpu.kernels.compiled_decode import FUSED_ATTENTION_MAX_BATCH
+from pie_actors.gpu.kernels.compiled_decode import BATCH_BUCKETS, FUSED_ATTENTION_MAX_BATCH
 from pie_actors.gpu.engine import Engine, Lane, PassRequest
 from tests.engine_helpers import save_tiny_model
 
@@ -35,17 +35,18 @@ def test_compiled_decode_matches_eager(tmp_path, lengths, bucket):
     folder = save_tiny_model("qwen3", tmp_path / "m")
     kw = dict(device="cpu", dtype="float32", num_pages=64, page_size=4)
     eager = Engine.from_model(str(folder), compile=False, **kw)
-    compiled = Engine.from_model(str(folder), compile=True, **kw)
+    compiled = Engine.from_model(str(folder), compile=True, compile_max_batch=bucket, **kw)
     assert eager.worker.decode_form == compiled.worker.compiled.batch_form == "kernel"
+    # every bucket up to the largest compiled batch was compiled at start
+    assert compiled.worker.compiled.batch_sizes == {b for b in BATCH_BUCKETS if b <= bucket}
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
     want = _decode_logits(eager, prompts, 12)
     torch._dynamo.utils.counters.clear()
     got = _decode_logits(compiled, prompts, 12)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1    # the KV span grew by pages: no recompile
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0    # no compile while serving
     for w, c in zip(want, got):
         torch.testing.assert_close(c, w, atol=1e-4, rtol=1e-4)
-    assert compiled.worker.compiled.batch_sizes == {bucket}  # lanes padded to the bucket
     compiled.kv.check()
 
 
@@ -55,7 +56,7 @@ def test_compiled_decode_with_the_speed_edits_off_matches_eager(tmp_path):
     folder = save_tiny_model("qwen3", tmp_path / "m")
     kw = dict(device="cpu", dtype="float32", num_pages=64, page_size=4, hugepages=False)
     eager = Engine.from_model(str(folder), **kw)
-    compiled = Engine.from_model(str(folder), compile=True, amx_gemm_edits=False, **kw)
+    compiled = Engine.from_model(str(folder), compile=True, compile_max_batch=2, amx_gemm_edits=False, **kw)
     assert not compiled.worker.compiled.hugepages and not compiled.worker.compiled.amx_gemm_edits
     prompts = [[5, 6, 7], [9, 10, 11, 12]]
     for w, c in zip(_decode_logits(eager, prompts, 6), _decode_logits(compiled, prompts, 6)):
@@ -66,7 +67,7 @@ def test_two_compiled_engines_in_one_process_keep_their_own_weights(tmp_path):
     """Compiled graphs hold frozen weights and skip module guards: a second engine of the same
     shapes must not run the first one's graphs."""
     first, second = save_tiny_model("qwen3", tmp_path / "a", seed=0), save_tiny_model("qwen3", tmp_path / "b", seed=1)
-    kw = dict(device="cpu", dtype="float32", num_pages=64, page_size=4)
+    kw = dict(device="cpu", dtype="float32", num_pages=64, page_size=4, compile_max_batch=2)
     prompts = [[5, 6, 7], [9, 10]]
     results = {}
     for name, folder in (("a", first), ("b", second)):
@@ -99,3 +100,40 @@ def test_amx_gemm_edits_compiles_into_amx_gemms_and_keeps_results():
     assert "_mm_prefetch" in code and "_tile_dpbf16ps" in code
     torch.testing.assert_close(out, expected)
     assert amx_gemm._original is None        # the template is restored on leaving
+
+
+START = """
+import json, sys
+from pie_actors.gpu.engine import Engine          # first: it points inductor's caches at $PIE_HOME
+from torch._dynamo.utils import counters
+engine = Engine.from_model(sys.argv[1], device="cpu", dtype="float32", num_pages=32, page_size=4,
+                           compile=sys.argv[2], compile_max_batch=2, progress=False)
+print(json.dumps({"compiled": engine.worker.compiled is not None,
+                  "autotuned": counters["inductor"]["select_algorithm_autotune"]}))
+"""
+
+
+def test_a_compiled_engines_second_start_reuses_the_caches(tmp_path):
+    """Caches live under $PIE_HOME/cache: the second start of the same model skips the GEMM
+    autotuning (counted by inductor), and a one-shot engine with compile "auto" compiles once
+    the warm-up is cached, not before."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    folder = save_tiny_model("qwen3", tmp_path / "m")
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    env["PIE_HOME"] = str(tmp_path / "home")
+
+    def start(compile: str) -> dict:
+        out = subprocess.run([sys.executable, "-c", START, str(folder), compile], env=env, capture_output=True,
+                             text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    assert start("auto") == {"compiled": False, "autotuned": 0}     # one-shot, nothing cached: eager
+    cold = start("on")
+    assert cold["compiled"] and cold["autotuned"] > 0 and (tmp_path / "home" / "cache" / "inductor").is_dir()
+    warm = start("auto")                                             # cached now: compiled, cheaply
+    assert warm == {"compiled": True, "autotuned": 0}

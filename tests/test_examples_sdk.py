@@ -197,7 +197,7 @@ def thinking_served(default_model_dir, tmp_path_factory):
                              (TEMPLATES / "qwen3-thinking-2507.jinja").read_text())
     for name in ("config.json", "generation_config.json", "model.safetensors"):
         (folder / name).symlink_to(default_model_dir / name)
-    with Runtime.local(str(folder), dtype="float32", num_pages=256, timeout_s=120) as rt:
+    with Runtime.local(str(folder), dtype="float32", num_pages=256, timeout_s=120, compile="off") as rt:
         yield rt
 
 

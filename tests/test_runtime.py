@@ -46,7 +46,7 @@ async def main(input):
 
 @pytest.fixture(scope="module")
 def local(default_model_dir):
-    with Runtime.local(str(default_model_dir), dtype="float32", num_pages=256) as runtime:
+    with Runtime.local(str(default_model_dir), dtype="float32", num_pages=256, compile="off") as runtime:
         yield runtime
 
 
@@ -54,7 +54,7 @@ def local(default_model_dir):
 def cluster(default_model_dir):
     """A Runtime on a Ray cluster of this machine (the Controller starts the engine actor)."""
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    with Runtime.connect(model=str(default_model_dir), dtype="float32", num_pages=256) as runtime:
+    with Runtime.connect(model=str(default_model_dir), dtype="float32", num_pages=256, compile="off") as runtime:
         yield runtime
     ray.shutdown()
 
@@ -177,9 +177,9 @@ def test_engine_settings_that_differ_are_refused_with_the_difference(cluster, de
         Runtime.connect(model=str(default_model_dir), dtype="bfloat16", num_pages=256)
     assert "dtype='float32' (asked: 'bfloat16')" in str(info.value)
     with pytest.raises(ValueError, match="num_pages=256 \\(asked: 128\\)"):
-        Runtime.connect(model=str(default_model_dir), dtype="float32", num_pages=128)
+        Runtime.connect(model=str(default_model_dir), dtype="float32", num_pages=128, compile="off")
     # the same settings share the running engine
-    with Runtime.connect(model=str(default_model_dir), dtype="float32", num_pages=256) as again:
+    with Runtime.connect(model=str(default_model_dir), dtype="float32", num_pages=256, compile="off") as again:
         assert again.launch(COMPLETION, {"prompt": PROMPTS[0]}).result(60)["text"]
     status = ray.get(connect().status.remote())
     assert len(status["engines"]) == 1

@@ -146,7 +146,7 @@ class Server:
         from ..runtime import Runtime
 
         try:
-            runtime = (Runtime.local(**self.settings) if self.local
+            runtime = (Runtime.local(long_lived=True, **self.settings) if self.local
                        else Runtime.connect(self.address, **self.settings))
             self._endpoints.runtime = self.serving.runtime = runtime
             self.serving.endpoints = self._endpoints

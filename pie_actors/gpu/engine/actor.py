@@ -13,11 +13,12 @@ from .data_plane import serve_model
 
 class EngineActor:
     """An engine and its server inside a Ray actor (see `start_engine_actor`). `host` is the
-    interface to listen on; "0.0.0.0" advertises the node's IP address."""
+    interface to listen on; "0.0.0.0" advertises the node's IP address. `long_lived`: see
+    `Engine.from_config`."""
 
-    def __init__(self, config: EngineConfig, host: str = "0.0.0.0", port: int = 0):
+    def __init__(self, config: EngineConfig, host: str = "0.0.0.0", port: int = 0, long_lived: bool = True):
         self.config = config
-        self.server, (self.host, self.port) = serve_model(config, host, port)
+        self.server, (self.host, self.port) = serve_model(config, host, port, long_lived=long_lived)
         self.engine = self.server.engine
         if self.host in ("0.0.0.0", "::", ""):
             import ray
@@ -38,7 +39,7 @@ class EngineActor:
 
 
 def start_engine_actor(config: EngineConfig, *, name: str | None = None, detached: bool = False,
-                       host: str = "0.0.0.0", port: int = 0) -> tuple[Any, tuple[str, int]]:
+                       host: str = "0.0.0.0", port: int = 0, long_lived: bool = True) -> tuple[Any, tuple[str, int]]:
     """Start an `EngineActor` (named `name` when given; outliving its driver when `detached`) and
     wait until it serves. Returns (actor handle, (host, port))."""
     import ray
@@ -46,5 +47,5 @@ def start_engine_actor(config: EngineConfig, *, name: str | None = None, detache
     options: dict[str, Any] = {"num_cpus": 0, "name": name}
     if detached:
         options["lifetime"] = "detached"
-    actor = ray.remote(EngineActor).options(**options).remote(config, host, port)
+    actor = ray.remote(EngineActor).options(**options).remote(config, host, port, long_lived)
     return actor, tuple(ray.get(actor.address.remote()))

@@ -465,9 +465,10 @@ class _Connection:
         self.owned.clear()
 
 
-def serve_model(config: EngineConfig, host: str = "127.0.0.1", port: int = 0
+def serve_model(config: EngineConfig, host: str = "127.0.0.1", port: int = 0, *, long_lived: bool = False
                 ) -> tuple[EngineServer, tuple[str, int]]:
-    """Build the engine `config` describes, start its batching loop and serve it. Returns the server
-    and its address; stop with `server.close(); server.engine.close()`."""
-    server = EngineServer(Engine.from_config(config).start())
+    """Build the engine `config` describes (see `Engine.from_config` for `long_lived`), start its
+    batching loop and serve it. Returns the server and its address; stop with `server.close();
+    server.engine.close()`."""
+    server = EngineServer(Engine.from_config(config, long_lived=long_lived).start())
     return server, server.start(host, port)

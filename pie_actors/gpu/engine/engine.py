@@ -23,6 +23,7 @@ from ...kvstore import KVStore
 from ...model_store import resolve_model
 from ...tokenizer import Tokenizer
 from ..eta import ProgramCache, argmax
+from ..kernels import compiled_decode
 from ..model.loader import load_checkpoint
 from ..model.tp import Comm, TorchDistComm
 from .channels import ChannelStore
@@ -34,6 +35,24 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def _compile_key(config: EngineConfig, model_dir: Path, device: torch.device, dtype: torch.dtype) -> dict:
+    """What a compiled decode step depends on, as the key of its warm-up marker."""
+    weights = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model_dir.glob("*.safetensors"))
+    return {"model": str(model_dir.resolve()), "weights": weights, "dtype": str(dtype), "device": device.type,
+            "torch": torch.__version__, "isa": torch.backends.cpu.get_cpu_capability(),
+            **{k: getattr(config, k) for k in ("page_size", "compile_max_batch", "hugepages", "amx_gemm_edits")}}
+
+
+def _compiles(config: EngineConfig, device: torch.device, long_lived: bool, key: dict) -> bool:
+    """compile "on" / "off" as said; "auto": where it pays (CUDA, CPUs with AVX2 or better; not across
+    tensor-parallel ranks), for engines that serve for long, and for others once their compile is
+    cached here (bench/RESULTS.md, "Compiled engine start")."""
+    if config.compile != "auto":
+        return config.compile == "on"
+    pays = device.type == "cuda" or torch.backends.cpu.get_cpu_capability().lower() in ("avx2", "avx512")
+    return pays and config.tp == 1 and (long_lived or compiled_decode.is_cached(key))
 
 
 class Engine:
@@ -60,15 +79,19 @@ class Engine:
         self._stopping = False
 
     @classmethod
-    def from_model(cls, model: str = "", **settings: Any) -> Engine:
+    def from_model(cls, model: str = "", *, long_lived: bool = False, progress: bool = True,
+                   **settings: Any) -> Engine:
         """An engine for a model store name or folder (default: the configured model); `settings`
         override the config file's engine settings by name (`dtype="float32"`, `num_pages=256`)."""
-        return cls.from_config(load(model=model or None, **settings).engine)
+        return cls.from_config(load(model=model or None, **settings).engine, long_lived=long_lived,
+                               progress=progress)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> Engine:
+    def from_config(cls, config: EngineConfig, *, long_lived: bool = False, progress: bool = True) -> Engine:
         """Build the engine `config` describes. The KV pool is `num_pages` pages, or as many as fit
-        in `kv_memory_mb` per rank."""
+        in `kv_memory_mb` per rank. `long_lived`: it will serve for long (pie serve, the cluster's
+        engines), so compile "auto" compiles it; a compiled engine warms up every bucket now (a
+        progress bar unless `progress` is False)."""
         model_dir = resolve_model(config.model)
         dev = pick_device(config.device)
         dt = pick_dtype(config.dtype, dev)
@@ -86,7 +109,11 @@ class Engine:
             init = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
             remote = start_remote_ranks(config, str(model_dir), dev, dt, num_pages, init)
             comm = TorchDistComm(0, config.tp, init, dev)
-        worker = Worker(model_dir, config, device=dev, dtype=dt, num_pages=num_pages, comm=comm)
+        key = _compile_key(config, model_dir, dev, dt)
+        worker = Worker(model_dir, config, device=dev, dtype=dt, num_pages=num_pages, comm=comm,
+                        compile=_compiles(config, dev, long_lived, key))
+        if worker.compiled is not None:
+            worker.compiled.warm_up(key, progress)
         return cls(worker, KVStore(num_pages, config.page_size), config, tokenizer, remote)
 
     # ---- sequences ---------------------------------------------------------------------------

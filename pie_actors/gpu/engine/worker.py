@@ -44,7 +44,7 @@ class Worker:
     """One rank: the model shard plus per-layer K and V caches of shape [kv_heads, num_pages * page_size, head_dim]."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig, *, device: torch.device,
-                 dtype: torch.dtype, num_pages: int, comm: Comm | None = None):
+                 dtype: torch.dtype, num_pages: int, comm: Comm | None = None, compile: bool = False):
         if device.type == "cpu":   # Ray sets OMP_NUM_THREADS=1 inside actors: say how many we use
             torch.set_num_threads(config.num_threads or _cores())
         self.comm = comm or Comm()
@@ -76,8 +76,9 @@ class Worker:
         # Compiled decode graphs would need traceable collectives; tensor-parallel ranks run eager.
         self.compiled = (CompiledDecode(self.model, self.kv_caches, self.page_size, num_pages,
                                         batch_form="kernel" if use_kernel else "fused_scores",
-                                        hugepages=use_hugepages, amx_gemm_edits=config.amx_gemm_edits)
-                         if config.compile and self.comm.world_size == 1 else None)
+                                        hugepages=use_hugepages, amx_gemm_edits=config.amx_gemm_edits,
+                                        max_batch=config.compile_max_batch)
+                         if compile and self.comm.world_size == 1 else None)
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> torch.Tensor:
@@ -86,7 +87,7 @@ class Worker:
             self._copy_pages(plan.copies)
         if not plan.input_ids:
             return torch.empty(0, self.cfg.vocab_size, device=self.device)
-        if (self.compiled and not plan.adapters and CompiledDecode.accepts(plan.lanes)
+        if (self.compiled and not plan.adapters and self.compiled.accepts(plan.lanes)
                 and plan.readout == list(range(len(plan.lanes)))):
             return self.compiled.run(plan.input_ids, plan.positions, plan.write_slots, plan.lanes)
         dev = self.device

@@ -7,3 +7,12 @@
     amx_gemm.py          prefetch and cache-hint edits to inductor's AMX GEMM template (a setting)
     hugepages.py         weights and KV pages on transparent huge pages, CPU (a setting)
 """
+import os as _os
+
+from ...config import pie_home as _pie_home
+
+# torch.compile's caches under $PIE_HOME/cache, so that a second start of an engine reuses them. Set
+# here, before anything imports torch._inductor (which fixes its folder on import); an explicit
+# TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR wins.
+_os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_pie_home() / "cache" / "inductor"))
+_os.environ.setdefault("TRITON_CACHE_DIR", str(_pie_home() / "cache" / "triton"))

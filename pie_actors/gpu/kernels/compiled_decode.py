@@ -5,13 +5,25 @@ Decode-only batches (every lane one row, no custom mask) are the steady state, s
 bucketed batch size and run through one compiled graph per bucket, the KV span being a dynamic
 dimension (one compile serves every context length); prefill and anything unusual stays eager.
 Padding lanes write into and attend to a scratch page that no sequence owns.
+
+An engine compiles every bucket up to its `compile_max_batch` at start (`warm_up`), so no request
+waits on a compile. Inductor's caches live under $PIE_HOME/cache/inductor: a second start of the same
+model on the same machine reuses the GEMM autotuning and the compiled kernels (the graphs themselves
+are traced again: inductor does not cache graphs that hold oneDNN-packed weights). `warm_up` leaves a
+marker (`is_cached`) so one-shot runs know the compile will be cheap.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import types
+from pathlib import Path
 
 import torch
+from tqdm import tqdm
+
+from ...config import pie_home
 
 from . import amx_gemm, hugepages
 from .attention import AttentionMetadata, LanePlan
@@ -25,6 +37,16 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 FUSED_ATTENTION_MAX_BATCH = 1
 
 
+def _marker(key: dict) -> Path:
+    digest = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=16).hexdigest()
+    return pie_home() / "cache" / "compiled" / digest
+
+
+def is_cached(key: dict) -> bool:
+    """Whether an engine with this `cache_key` has warmed up on this machine before."""
+    return _marker(key).is_file()
+
+
 def _own_code(fn: types.FunctionType) -> types.FunctionType:
     """`fn` with a code object of its own (a separate Dynamo cache)."""
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
@@ -35,13 +57,15 @@ class CompiledDecode:
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  page_size: int, scratch_page: int, *, batch_form: str = "fused_scores",
                  hugepages: bool = True, amx_gemm_edits: bool = True, gemm_autotune: bool = True,
-                 cpp_wrapper: bool = True, fused_attention_max_batch: int = FUSED_ATTENTION_MAX_BATCH):
+                 cpp_wrapper: bool = True, fused_attention_max_batch: int = FUSED_ATTENTION_MAX_BATCH,
+                 max_batch: int = BATCH_BUCKETS[-1]):
         """`batch_form`: the decode attention form (`AttentionMetadata.decode_form`) of batches above
         `fused_attention_max_batch`. `hugepages` and `amx_gemm_edits` are the engine's CPU speed
         edits (EngineConfig). The other keyword arguments are for benchmarks (bench/decode_forms.py)."""
         self.model, self.kv_caches, self.page_size = model, kv_caches, page_size
         self.scratch_page = scratch_page
         self.batch_form, self.fused_attention_max_batch = batch_form, fused_attention_max_batch
+        self.max_batch = min(max_batch, BATCH_BUCKETS[-1])
         self.device = kv_caches[0][0].device
         # The model's modules never change after loading, so their guards are pure per-call cost
         # (~0.8 ms a step here); tensor shape guards stay, and buckets keep those few. Without those
@@ -71,9 +95,21 @@ class CompiledDecode:
                                                    len(BATCH_BUCKETS))
         self.batch_sizes: set[int] = set()           # buckets run so far (one compile each)
 
-    @staticmethod
-    def accepts(lanes: list[LanePlan]) -> bool:
-        return len(lanes) <= BATCH_BUCKETS[-1] and all(l.q_len == 1 and l.mask is None for l in lanes)
+    def accepts(self, lanes: list[LanePlan]) -> bool:
+        return len(lanes) <= self.max_batch and all(l.q_len == 1 and l.mask is None for l in lanes)
+
+    @torch.inference_mode()                  # as the worker runs batches: the graphs' grad-mode guard
+    def warm_up(self, key: dict, progress: bool = True) -> None:
+        """Compile every bucket up to `max_batch` now (lanes on the scratch page), then mark `key`
+        as cached on this machine."""
+        buckets = [b for b in BATCH_BUCKETS if b <= self.max_batch] or [BATCH_BUCKETS[0]]
+        scratch_slot = self.scratch_page * self.page_size
+        for batch in tqdm(buckets, desc="compiling decode batches", unit="bucket", disable=not progress):
+            lanes = [LanePlan(i, 1, [self.scratch_page], 1) for i in range(batch)]
+            self.run([0] * batch, [0] * batch, [scratch_slot] * batch, lanes)
+        marker = _marker(key)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps(key, sort_keys=True) + "\n", encoding="utf-8")
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model.logits(self.model(ids, positions, self.kv_caches, meta))
