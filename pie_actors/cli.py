@@ -303,11 +303,12 @@ def _controller():
     import ray
 
     from .controller import NAME, NAMESPACE
-    try:
-        ray.init(address="auto", log_to_driver=False, logging_level="ERROR", configure_logging=False)
-    except ConnectionError:
+    from .runtime import cluster_address
+    address = cluster_address()
+    if address is None:
         raise ValueError("no Ray cluster is running here (start one with `ray start --head`, or set "
-                         "RAY_ADDRESS)") from None
+                         "RAY_ADDRESS)")
+    ray.init(address=address, log_to_driver=False, logging_level="ERROR", configure_logging=False)
     try:
         return ray.get_actor(NAME, namespace=NAMESPACE)
     except ValueError:

@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import itertools
 import os
+import socket
 import threading
 from typing import Any
 
@@ -253,17 +254,30 @@ async def _cancel_all() -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def cluster_address(address: str | None = None) -> str | None:
+    """The Ray cluster to join: `address`, RAY_ADDRESS, or the one `ray start` runs on this machine;
+    None when there is none. Ray's own lookup trusts the address file that `ray start` writes, which
+    outlives a cluster that was killed, and then waits minutes on the dead address."""
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        return address
+    from ray._private.utils import read_ray_address
+
+    found = read_ray_address()
+    if not found:
+        return None
+    host, _, port = found.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=1.0).close()
+    except (OSError, ValueError):
+        return None                               # a stale file: that cluster is gone
+    return found
+
+
 def _init_ray(address: str | None) -> None:
     import ray
 
     from .controller import NAMESPACE
 
-    options = dict(namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR", configure_logging=False)
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, **options)
-        return
-    try:
-        ray.init(address="auto", **options)       # the cluster running on this machine
-    except ConnectionError:
-        ray.init(**options)                       # none: a local one, for this runtime
+    ray.init(address=cluster_address(address) or "local",    # none running: a local one, for this runtime
+             namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR", configure_logging=False)

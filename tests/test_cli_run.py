@@ -111,6 +111,33 @@ def _wait_line(stream, timeout: float = 120.0) -> None:
     assert ready and stream.read(7) == "waiting"
 
 
+def test_a_stale_cluster_address_file_is_not_joined(tmp_path, monkeypatch):
+    """`ray start` leaves its address in a file that outlives a killed cluster; Ray itself would
+    wait minutes on that address. pie finds nothing running and says so (or starts its own)."""
+    import socket
+
+    from pie_actors.runtime import cluster_address
+    with socket.socket() as s:                        # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    address_file = tmp_path / "ray" / "ray_current_cluster"
+    address_file.parent.mkdir()
+    address_file.write_text(dead)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert cluster_address() is None
+    assert cluster_address("10.0.0.1:6379") == "10.0.0.1:6379"      # an address asked for is kept
+    with socket.socket() as live:
+        live.bind(("127.0.0.1", 0))
+        live.listen()
+        address_file.write_text(f"127.0.0.1:{live.getsockname()[1]}")
+        assert cluster_address() == f"127.0.0.1:{live.getsockname()[1]}"
+    address_file.write_text(dead)
+    client = subprocess.run([str(Path(sys.executable).parent / "pie-client"), "ps"], capture_output=True,
+                            text=True, timeout=120, env=dict(os.environ))
+    assert client.returncode == 1 and "no Ray cluster" in client.stderr
+
+
 def test_pie_client_lists_messages_and_kills_processes_of_a_running_cluster(default_model_dir, tmp_path):
     """`ray start --head` keeps a cluster up between commands: `pie run` joins it (its engine stays
     warm), `pie-client` finds its processes by name."""

@@ -258,7 +258,7 @@ def test_dummy_model_resolves_and_lists(dummy_home, tmp_path, monkeypatch, capsy
 @pytest.fixture(scope="module")
 def ray_local():
     import ray
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
     yield ray
     ray.shutdown()
 

@@ -17,7 +17,7 @@ QUICKSTART = Program.load(Path(__file__).resolve().parent.parent / "examples/qui
 
 @pytest.fixture(scope="module")
 def cluster(default_model_dir):
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     engine, address = start_engine_actor(load(model=str(default_model_dir), dtype="float32", compile="off").engine)
     actors = [inferlet_actor().remote() for _ in range(4)]
     ray.get([a.ready.remote() for a in actors])

@@ -53,7 +53,7 @@ def local(default_model_dir):
 @pytest.fixture(scope="module")
 def cluster(default_model_dir):
     """A Runtime on a Ray cluster of this machine (the Controller starts the engine actor)."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     with Runtime.connect(model=str(default_model_dir), dtype="float32", num_pages=256, compile="off") as runtime:
         yield runtime
     ray.shutdown()
