@@ -1,6 +1,6 @@
 """The Controller: a named, detached Ray actor that knows the engines, keeps a warm pool of
 inferlet actors (a launch costs a Ray call instead of a new actor, ~0.45 s here) and names the
-running inferlets (processes), so clients and other inferlets can message or stop them.
+running inferlets (processes), so other inferlets of the same owner can message them.
 
 `Runtime.connect()` (runtime.py) is its client: it asks for an engine (`engine`), then for each
 launch a process name and a warm actor (`launch`), and streams the run from the actor directly
@@ -18,6 +18,7 @@ from typing import Any
 from .config import EngineConfig
 
 NAME, NAMESPACE = "pie_controller", "pie"
+ProcessKey = tuple[str | None, str]      # (owner, name): names are per owner
 
 
 class UnknownProcess(KeyError):
@@ -43,7 +44,7 @@ class Controller:
         self.pool_size = pool_size
         self.engines: dict[str, _Engine] = {}                   # model -> its engine
         self.idle: list[Any] = []                               # started InferletActors
-        self.processes: dict[str, dict[str, Any]] = {}          # name -> {actor, model, started}
+        self.processes: dict[ProcessKey, dict[str, Any]] = {}   # (owner, name) -> {actor, model, started}
         self.launches = 0
         self._numbers = itertools.count(1)
         self._refill()
@@ -93,48 +94,42 @@ class Controller:
 
     # ---- processes ---------------------------------------------------------------------------
 
-    def launch(self, model: str, name: str | None = None) -> dict[str, Any]:
-        """Start a process of `model` (whose engine `engine` started): {"process": its name,
-        "actor": a warm InferletActor}. The caller runs `actor.run.remote(..., process=name,
-        controller=<this actor>)`."""
-        if name is not None and name in self.processes:
+    def launch(self, model: str, name: str | None = None, owner: str | None = None) -> dict[str, Any]:
+        """Start a process of `model` (whose engine `engine` started) for `owner`: {"process": its
+        (owner, name), "actor": a warm InferletActor}. The caller runs `actor.run.remote(...,
+        process=<that key>, controller=<this actor>)`."""
+        if name is not None and (owner, name) in self.processes:
             raise ValueError(f"a process named {name!r} is already running")
         if model not in self.engines:
             raise ValueError(f"no engine for {model!r} runs in this cluster (ask for it with `engine`)")
         name = name or f"inferlet-{next(self._numbers)}"
-        while name in self.processes:                    # a user took that name before us
+        while (owner, name) in self.processes:           # a user took that name before us
             name = f"inferlet-{next(self._numbers)}"
         actor = self.acquire()
-        self.processes[name] = {"actor": actor, "model": model, "started": time.time()}
-        return {"process": name, "actor": actor}
+        self.processes[owner, name] = {"actor": actor, "model": model, "started": time.time()}
+        return {"process": (owner, name), "actor": actor}
 
-    def finished(self, name: str) -> None:
+    def finished(self, key: ProcessKey) -> None:
         """A process's run ended (its actor reports it): forget the name, pool the actor. (The
         actor's own handle to itself is a weak reference, so the pool keeps the launch's handle.)"""
-        process = self.processes.pop(name, None)
+        process = self.processes.pop(key, None)
         if process is not None:
             self.release(process["actor"])
 
-    def _process(self, name: str) -> dict[str, Any]:
-        if name not in self.processes:
-            running = ", ".join(sorted(self.processes)) or "none"
+    def send(self, owner: str | None, name: str, message: Any) -> None:
+        """Deliver `message` to the `session.receive` of `owner`'s process `name` (from a
+        `session.send_to` of that owner's process): another owner's process is not found."""
+        process = self.processes.get((owner, name))
+        if process is None:
+            running = ", ".join(sorted(n for o, n in self.processes if o == owner)) or "none"
             raise UnknownProcess(f"no running inferlet named {name!r} (running: {running})")
-        return self.processes[name]
-
-    def send(self, name: str, message: Any, sender: str | None = None) -> None:
-        """Deliver `message` to process `name`'s `session.receive` (from a client, or from the
-        process `sender`'s `session.send_to`)."""
-        self._process(name)["actor"].deliver.remote(message, name)
-
-    def kill(self, name: str) -> None:
-        """Cancel process `name`: it ends at its next host call, its KV pages return."""
-        self._process(name)["actor"].cancel.remote(name, f"killed by request (process {name!r})")
+        process["actor"].deliver.remote(message, (owner, name))
 
     def status(self) -> dict[str, Any]:
         now = time.time()
         return {"engines": {m: list(e.address) for m, e in self.engines.items()},
-                "processes": {n: {"model": p["model"], "running_s": round(now - p["started"], 3)}
-                              for n, p in self.processes.items()},
+                "processes": [{"owner": o, "name": n, "model": p["model"], "running_s": round(now - p["started"], 3)}
+                              for (o, n), p in self.processes.items()],
                 "idle_actors": len(self.idle), "launches": self.launches}
 
 

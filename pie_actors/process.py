@@ -184,6 +184,7 @@ class Process:
         """Binary data for the inferlet's `session.receive_file()`."""
         self._control.deliver_file(bytes(data))
 
-    def kill(self) -> None:
-        """Stop the run at its next host call: it ends Failed("cancelled"), its KV pages return."""
-        self._control.cancel(f"killed by request (process {self.name!r})")
+    def kill(self, reason: str | None = None) -> None:
+        """Stop the run at its next host call: it ends Failed("cancelled", reason), its KV pages
+        return. `reason` defaults to "killed by request (process NAME)"."""
+        self._control.cancel(reason or f"killed by request (process {self.name!r})")

@@ -18,6 +18,7 @@ import itertools
 import os
 import socket
 import threading
+from functools import partial
 from typing import Any
 
 from .config import Config, RunLimits, load
@@ -58,13 +59,16 @@ class Runtime:
         self.close()
 
     def launch(self, program: Any, input: Any = None, *, name: str | None = None,
-               files: dict[str, bytes] | None = None, timeout: float | None = None) -> Process:
+               files: dict[str, bytes] | None = None, timeout: float | None = None,
+               owner: str | None = None) -> Process:
         """Start `program` (a .py file, a bundle folder or source text) on `input` (main's argument,
         {} by default). `name`: the process name other inferlets' `session.send_to` use (one is made
         up otherwise; a name in use is a ValueError). `files`: what `session.file(name)` reads.
-        `timeout`: its wall-clock limit in seconds (default: the config's timeout_s)."""
+        `timeout`: its wall-clock limit in seconds (default: the config's timeout_s). `owner`: whose
+        process it is (pie serve passes its client's key; None: this machine's user). Names are per
+        owner, and `session.send_to` reaches only processes of the sender's owner."""
         limits = self.config.limits if timeout is None else dataclasses.replace(self.config.limits, timeout_s=timeout)
-        return self._backend.launch(Program.load(program), {} if input is None else input, name,
+        return self._backend.launch(Program.load(program), {} if input is None else input, name, owner,
                                     dict(files or {}), limits)
 
     def stats(self) -> dict[str, Any]:
@@ -98,38 +102,39 @@ class _Local:
 
         self.server, self.address = serve_model(config.engine, long_lived=long_lived)
         self.engine = self.server.engine
-        self.runs: dict[str, Any] = {}              # process name -> its Run, while it runs
+        self.runs: dict[tuple[str | None, str], Any] = {}   # (owner, process name) -> its Run, while it runs
         self._lock = threading.Lock()
         self._numbers = itertools.count(1)
 
-    def launch(self, program: Program, input: Any, name: str | None, files: dict[str, bytes],
-               limits: RunLimits) -> Process:
+    def launch(self, program: Program, input: Any, name: str | None, owner: str | None,
+               files: dict[str, bytes], limits: RunLimits) -> Process:
         from .inferlet.run import Run
 
         with self._lock:
-            if name is not None and name in self.runs:
+            if name is not None and (owner, name) in self.runs:
                 raise ValueError(f"a process named {name!r} is already running")
-            while name is None or name in self.runs:
+            while name is None or (owner, name) in self.runs:
                 name = f"inferlet-{next(self._numbers)}"
-            self.runs[name] = None                  # taken; the Run comes next
+            key = (owner, name)
+            self.runs[key] = None                   # taken; the Run comes next
 
         def emit(event: Any) -> None:
             if isinstance(event, (Done, Failed)):
                 with self._lock:
-                    self.runs.pop(name, None)
+                    self.runs.pop(key, None)
             process.emit(event)
 
-        run = Run(program, input, self.address, limits, emit, files=files, send_to=self._send_to)
+        run = Run(program, input, self.address, limits, emit, files=files, send_to=partial(self._send_to, owner))
         process = Process(name, run)
         with self._lock:
-            self.runs[name] = run
+            self.runs[key] = run
         run.start()
         return process
 
-    def _send_to(self, name: str, message: Any) -> None:
+    def _send_to(self, owner: str | None, name: str, message: Any) -> None:
         with self._lock:
-            run = self.runs.get(name)
-            running = ", ".join(sorted(self.runs)) or "none"
+            run = self.runs.get((owner, name))
+            running = ", ".join(sorted(n for o, n in self.runs if o == owner)) or "none"
         if run is None:
             raise HostOpError(f"no running inferlet named {name!r} (running: {running})")
         run.deliver(message)
@@ -150,19 +155,20 @@ class _Local:
 # ---- on a Ray cluster ----------------------------------------------------------------------------
 
 class _ActorControl:
-    """A process's control (see process.Control) through its InferletActor."""
+    """A process's control (see process.Control) through its InferletActor; `key` is the
+    process's (owner, name)."""
 
-    def __init__(self, actor: Any, name: str) -> None:
-        self.actor, self.name = actor, name
+    def __init__(self, actor: Any, key: tuple[str | None, str]) -> None:
+        self.actor, self.key = actor, key
 
     def deliver(self, message: Any) -> None:
-        self.actor.deliver.remote(message, self.name)
+        self.actor.deliver.remote(message, self.key)
 
     def deliver_file(self, data: bytes) -> None:
-        self.actor.deliver_file.remote(data, self.name)
+        self.actor.deliver_file.remote(data, self.key)
 
     def cancel(self, reason: str) -> None:
-        self.actor.cancel.remote(self.name, reason)
+        self.actor.cancel.remote(self.key, reason)
 
 
 class _Cluster:
@@ -191,19 +197,19 @@ class _Cluster:
         self.thread = threading.Thread(target=self.loop.run_forever, name="pie-runtime", daemon=True)
         self.thread.start()
 
-    def launch(self, program: Program, input: Any, name: str | None, files: dict[str, bytes],
-               limits: RunLimits) -> Process:
+    def launch(self, program: Program, input: Any, name: str | None, owner: str | None,
+               files: dict[str, bytes], limits: RunLimits) -> Process:
         import ray
 
         try:
-            launched = ray.get(self.controller.launch.remote(self.config.engine.model, name))
+            launched = ray.get(self.controller.launch.remote(self.config.engine.model, name, owner))
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, ValueError):       # the name is taken
                 raise ValueError(str(e.cause)) from None
             raise
-        name, actor = launched["process"], launched["actor"]
-        process = Process(name, _ActorControl(actor, name))
-        stream = actor.run.remote(program, input, self.address, limits, files=files, process=name,
+        key, actor = launched["process"], launched["actor"]
+        process = Process(key[1], _ActorControl(actor, key))
+        stream = actor.run.remote(program, input, self.address, limits, files=files, process=key,
                                   controller=self.controller)
         asyncio.run_coroutine_threadsafe(_pump(stream, process), self.loop)
         return process
@@ -214,7 +220,7 @@ class _Cluster:
         stats = ray.get(self.engine_actor.stats.remote())
         status = ray.get(self.controller.status.remote())
         model = self.config.engine.model
-        return {**stats, "processes": sum(p["model"] == model for p in status["processes"].values())}
+        return {**stats, "processes": sum(p["model"] == model for p in status["processes"])}
 
     def close(self) -> None:
         import ray

@@ -150,6 +150,21 @@ def test_named_processes_take_messages_from_clients_and_each_other(runtime):
     assert process.result(60)["got"] == "from the client"
 
 
+def test_names_and_send_to_are_per_owner(runtime):
+    """Two owners may both run an "agent"; send_to from an owner's process finds only its own, and
+    another owner's (or the local user's) process of that name does not exist for it."""
+    alices, bobs = (runtime.launch(WAITER, {}, name="agent", owner=owner) for owner in ("alice", "bob"))
+    for process in (alices, bobs):
+        assert process.name == "agent" and next(process.events(timeout=60)) == Send("ready")
+    for owner in ("carol", None):
+        with pytest.raises(InferletError, match="no running inferlet named 'agent'"):
+            runtime.launch(SENDER, {"to": "agent", "me": "x"}, owner=owner).result(60)
+    assert runtime.launch(SENDER, {"to": "agent", "me": "bob"}, owner="bob").result(60) == {"sent": True}
+    assert bobs.result(60)["got"] == {"from": "bob"}
+    alices.send("from alice's client")
+    assert alices.result(60)["got"] == "from alice's client"
+
+
 def test_files_and_bundles_travel_with_the_launch(runtime, tmp_path):
     (tmp_path / "helper.py").write_text("def shout(s):\n    return s.upper()\n")
     (tmp_path / "main.py").write_text("from inferlet import session\nfrom helper import shout\n\n"

@@ -7,8 +7,8 @@ actor.run.remote(...)`. Forward passes go straight from the actor to the engine 
 (inferlet/run.py), never through Ray. torch is never imported here.
 
 While a run streams, `deliver`, `deliver_file` and `cancel` are served concurrently (the actor has a
-few threads); each names the process it is meant for, so a late call never reaches the actor's next
-run. A run started by the Controller under a process name hands the actor back when it ends.
+few threads); each names the process it is meant for (its (owner, name) key), so a late call never
+reaches the actor's next run. A run started by the Controller hands the actor back when it ends.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class InferletActor:
     def __init__(self) -> None:
         sandbox_for(Program())             # the runner component, loaded before the first launch
         self._lock = threading.Lock()
-        self._process: str | None = None   # the process name of the run in progress
+        self._process: Any = None          # the (owner, name) of the run in progress
         self._run: Run | None = None
 
     def ready(self) -> bool:
@@ -38,13 +38,14 @@ class InferletActor:
         return True
 
     def run(self, program: Program, input: Any, engine_address: tuple[str, int], limits: RunLimits, *,
-            files: dict[str, bytes] | None = None, process: str | None = None,
+            files: dict[str, bytes] | None = None, process: Any = None,
             controller: Any = None) -> Iterator[Event]:
         """The events of one run of `program`, ending with its Done or Failed (the actor stays
-        usable). With a `controller`, the run is the named `process`: `session.send_to` reaches
-        other processes, and the actor hands itself back to the Controller at the end."""
+        usable). With a `controller`, the run is the process `process` ((owner, name)):
+        `session.send_to` reaches the owner's other processes, and the actor hands itself back to
+        the Controller at the end."""
         events: queue.Queue[Event] = queue.Queue()
-        send_to = None if controller is None else partial(_send_to, controller, process)
+        send_to = None if controller is None else partial(_send_to, controller, process[0])
         run = Run(program, input, engine_address, limits, events.put, files=files, send_to=send_to)
         with self._lock:
             self._process, self._run = process, run
@@ -61,11 +62,11 @@ class InferletActor:
             if controller is not None:
                 controller.finished.remote(process)
 
-    def _current(self, process: str | None) -> Run | None:
+    def _current(self, process: Any) -> Run | None:
         with self._lock:
             return self._run if process == self._process else None
 
-    def deliver(self, message: Any, process: str | None = None) -> bool:
+    def deliver(self, message: Any, process: Any = None) -> bool:
         """A message for the running inferlet's `session.receive`. False when no run of `process`
         is in progress here (it ended: the message is dropped)."""
         run = self._current(process)
@@ -73,14 +74,14 @@ class InferletActor:
             run.deliver(message)
         return run is not None
 
-    def deliver_file(self, data: bytes, process: str | None = None) -> bool:
+    def deliver_file(self, data: bytes, process: Any = None) -> bool:
         """Data for the running inferlet's `session.receive_file` (False: no such run here)."""
         run = self._current(process)
         if run is not None:
             run.deliver_file(data)
         return run is not None
 
-    def cancel(self, process: str | None = None, reason: str = "cancelled by the client") -> bool:
+    def cancel(self, process: Any = None, reason: str = "cancelled by the client") -> bool:
         """Stop the run of `process` at its next host call; its pages return. False: none runs."""
         run = self._current(process)
         if run is not None:
@@ -88,12 +89,12 @@ class InferletActor:
         return run is not None
 
 
-def _send_to(controller: Any, sender: str, name: str, message: Any) -> None:
+def _send_to(controller: Any, owner: str | None, name: str, message: Any) -> None:
     """session.send_to through the Controller (a control-plane call: the sender learns at once
-    that no process has that name)."""
+    that its owner has no process of that name)."""
     import ray
     try:
-        ray.get(controller.send.remote(name, message, sender))
+        ray.get(controller.send.remote(owner, name, message))
     except ray.exceptions.RayTaskError as e:
         raise HostOpError(str(e.cause)) from None
 
