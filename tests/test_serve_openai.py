@@ -73,6 +73,16 @@ def test_max_tokens_is_capped_at_the_context_not_refused(server, client):
     assert (cut.choices[0].finish_reason, cut.usage.completion_tokens) == ("length", 3)
 
 
+def test_ignore_eos_replies_run_to_max_tokens(server, client):
+    """Benchmarks (bench/serve.py) rely on it: a reply's stop token does not end it."""
+    n = len(greedy_tokens(server, chat_prompt(server, ASK), 64)) + 8        # past the greedy reply's end
+    reply = chat(client, max_tokens=n, extra_body={"ignore_eos": True})
+    assert (reply.choices[0].finish_reason, reply.usage.completion_tokens) == ("length", n)
+    chunks = list(chat(client, max_tokens=n, extra_body={"ignore_eos": True}, stream=True,
+                       stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == n
+
+
 def test_tools_required_streamed_in_openais_delta_shape(client):
     chunks = list(chat(client, [{"role": "user", "content": "What is the weather in Paris?"}], max_tokens=64,
                        tools=[{"type": "function", "function": WEATHER}], tool_choice="required", stream=True))
@@ -242,6 +252,9 @@ def test_errors_are_the_sdks_exception_types(server, client):
                     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}):
         with pytest.raises(openai.BadRequestError):
             chat(client, **{"messages": ASK, **refused})
+    with pytest.raises(openai.BadRequestError) as empty:
+        client.completions.create(model="default", prompt=["Hello", ""], max_tokens=2)
+    assert empty.value.param == "prompt"
     assert "Paris" in chat(client, max_tokens=16).choices[0].message.content      # still serving
 
 

@@ -229,7 +229,10 @@ class Request:
         if not prompts or not all(isinstance(p, str) for p in prompts):
             raise Refused("prompt must be a string or a list of strings", "prompt")
         echo = bool(input.get("echo"))
-        return [chat.prefix() + model.encode(p) for p in prompts], [p if echo else "" for p in prompts], False
+        tokens = [chat.prefix() + model.encode(p) for p in prompts]
+        if not all(tokens):                       # a pass needs a token, and the model has no BOS to begin with
+            raise Refused("prompt: an empty prompt gives the model nothing to continue", "prompt")
+        return tokens, [p if echo else "" for p in prompts], False
 
     def budget(self, prompt: list) -> int:
         """The most tokens a reply to `prompt` may have: max_tokens, capped at the context's end."""
