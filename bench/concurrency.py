@@ -116,7 +116,7 @@ def main() -> None:
                 rows += measure(kind, "local", local, loops, clients, args.tokens, generate)
         if "ray" in args.paths:
             import ray
-            ray.init(include_dashboard=False, log_to_driver=False)
+            ray.init(address="local", include_dashboard=False, log_to_driver=False)
             try:
                 with Runtime.connect(**settings) as cluster:
                     rows += measure(kind, "ray", cluster, loops, clients, args.tokens, generate)

@@ -34,7 +34,7 @@ def main() -> None:
     add_output_options(ap, "Inferlet launch: warm pool vs new actor")
     args = ap.parse_args()
     load_before = os.getloadavg()[0]
-    ray.init(num_cpus=os.cpu_count(), namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=os.cpu_count(), namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
     try:
         with Runtime.connect(model="dummy", pool_size=2) as runtime:
             # the engine the runtime asked the Controller for (one per model: the same actor)

@@ -193,7 +193,7 @@ def main() -> None:
     model_dir = str(resolve_model(args.model))
 
     load_before = os.getloadavg()[0]
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     try:
         results, parts = uvloop.run(bench(model_dir, [int(n) for n in args.clients.split(",")], args.passes,
                                           args.repeats))
