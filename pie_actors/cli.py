@@ -72,12 +72,26 @@ def _add_config(sub: argparse._SubParsersAction) -> None:
     init.set_defaults(handler=_config_init)
 
 
+# --- the engine's options, for every command that starts one -------------------------------------
+
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="model name or path (default: the configured model)")
+    parser.add_argument("--device", help="cpu, cuda, cuda:N (default: config)")
+    parser.add_argument("--dtype", help="float32, bfloat16, float16 (default: config)")
+    parser.add_argument("--compile", choices=("auto", "on", "off"),
+                        help="decode through torch.compile (default: config, auto: for engines that serve for long)")
+
+
+def _engine_settings(args: argparse.Namespace) -> dict:
+    return {"device": args.device, "dtype": args.dtype, "compile": args.compile}
+
+
 # --- pie generate ---------------------------------------------------------------------------------
 
 def _generate(args: argparse.Namespace) -> int:
     from .gpu.engine import Engine
 
-    engine = Engine.from_model(args.model or "", device=args.device, dtype=args.dtype)
+    engine = Engine.from_model(args.model or "", **_engine_settings(args))
     tok = engine.tokenizer
     if args.chat:
         if tok.chat_template is None:
@@ -108,9 +122,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--chat", action="store_true", help="format the prompt with the model's chat template")
     gen.add_argument("--system", help="system message (with --chat)")
     gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--model", help="model name or path (default: the configured model)")
-    gen.add_argument("--device", help="cpu, cuda, cuda:N (default: config)")
-    gen.add_argument("--dtype", help="float32, bfloat16, float16 (default: config)")
+    _add_engine_options(gen)
     gen.set_defaults(handler=_generate)
 
 
@@ -179,7 +191,7 @@ def _run(args: argparse.Namespace) -> int:
     out = _Output(args.files_out)
     files = _attached_files(args.file_attach)
     inputs = parse_inputs(args.inputs)
-    settings = {"model": args.model, "device": args.device, "dtype": args.dtype, "timeout_s": args.timeout}
+    settings = {"model": args.model, **_engine_settings(args), "timeout_s": args.timeout}
     with (Runtime.local if args.local else Runtime.connect)(**settings) as runtime:
         process = runtime.launch(args.file, inputs, name=args.name, files=files)
         try:
@@ -223,9 +235,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser("run", help="run an inferlet: pie run [options] main.py -- --key value ...")
     run.add_argument("file", help="the inferlet: a .py file, or a folder with main.py (and its modules)")
     run.add_argument("inputs", nargs=argparse.REMAINDER, help="-- then --key value pairs: the input dict")
-    run.add_argument("--model", help="model name or path (default: the configured model)")
-    run.add_argument("--device", help="cpu, cuda, cuda:N (default: config)")
-    run.add_argument("--dtype", help="float32, bfloat16, float16 (default: config)")
+    _add_engine_options(run)
     run.add_argument("--timeout", type=float, help="wall-clock limit in seconds (default: config's timeout_s)")
     run.add_argument("--file", dest="file_attach", action="append", default=[], metavar="NAME=PATH",
                      help="attach a file, read in the inferlet with session.file(NAME) (repeatable)")
@@ -243,7 +253,7 @@ def _serve(args: argparse.Namespace) -> int:
     """`pie serve`: the OpenAI, Anthropic and Gemini APIs on one port (pie_actors.serve.Server)."""
     from .serve import Server
 
-    settings = {"host": args.host, "port": args.port, "device": args.device, "dtype": args.dtype,
+    settings = {"host": args.host, "port": args.port, **_engine_settings(args),
                 "served_model_names": tuple(args.served_model_name) or None, "api_keys": tuple(args.api_key) or None}
     server = Server(args.model, local=args.local, access_log=True, **settings).start()
     names = ", ".join(server.serving.names)
@@ -267,13 +277,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                                          "a built-in endpoint inferlet (replaceable in [serve.routes])")
     serve.add_argument("--host", help="interface to listen on (default: config, 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default: config, 8080)")
-    serve.add_argument("--model", help="model name or path (default: the configured model)")
+    _add_engine_options(serve)
     serve.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
                        help='another name the model answers to, besides "default" and its store name (repeatable)')
     serve.add_argument("--api-key", action="append", default=[], metavar="KEY",
                        help="a key clients must send (repeatable; replaces the config's keys; PIE_API_KEYS adds more)")
-    serve.add_argument("--device", help="cpu, cuda, cuda:N (default: config)")
-    serve.add_argument("--dtype", help="float32, bfloat16, float16 (default: config)")
     serve.add_argument("--local", action="store_true",
                        help="run everything in this process (no Ray). Default: join the Ray cluster at RAY_ADDRESS "
                             "or on this machine, or start a local one")

@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def _pie_run(default_model_dir, *args: str) -> subprocess.CompletedProcess:
     pie = Path(sys.executable).parent / "pie"
     env = dict(os.environ, PIE_HOME=str(default_model_dir.parent.parent))
-    return subprocess.run([str(pie), "run", "--dtype", "float32", *args], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=ROOT)
+    return subprocess.run([str(pie), "run", "--dtype", "float32", "--compile", "off", *args], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=ROOT)
 
 
 @pytest.mark.parametrize("where", [[], ["--local"]], ids=["ray", "local"])
@@ -154,7 +154,8 @@ def test_pie_client_lists_messages_and_kills_processes_of_a_running_cluster(defa
     subprocess.run([str(bin_dir / "ray"), "start", "--head", "--num-cpus", "2", "--include-dashboard=false"],
                    check=True, capture_output=True, timeout=120, env=env)
     try:
-        runs = {name: subprocess.Popen([str(bin_dir / "pie"), "run", "--dtype", "float32", "--name", name,
+        runs = {name: subprocess.Popen([str(bin_dir / "pie"), "run", "--dtype", "float32", "--compile", "off",
+                                        "--name", name,
                                         str(prog)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True, env=env, cwd=ROOT) for name in ("one", "two")}
         for run in runs.values():

@@ -72,7 +72,7 @@ def _line(process: subprocess.Popen, starts: str) -> str:
 def test_pie_serve_local_with_keys_from_the_environment(default_model_dir, tmp_path):
     env = {**os.environ, "PIE_API_KEYS": f" {KEY} ,", "PYTHONPATH": os.pathsep.join(sys.path)}
     process = _pie("--local", "--port", "0", "--model", str(default_model_dir), "--dtype", "float32",
-                   "--served-model-name", "captain", env=env)
+                   "--compile", "off", "--served-model-name", "captain", env=env)
     try:
         url = _line(process, "pie serve: http").split()[2]
         _line(process, "pie serve: the engine is loaded")
@@ -90,7 +90,7 @@ def test_pie_serve_local_with_keys_from_the_environment(default_model_dir, tmp_p
 
 def test_pie_serve_without_keys_says_it_is_open(default_model_dir):
     env = {**os.environ, "PIE_API_KEYS": "", "PYTHONPATH": os.pathsep.join(sys.path)}
-    process = _pie("--local", "--port", "0", "--model", str(default_model_dir), env=env)
+    process = _pie("--local", "--port", "0", "--model", str(default_model_dir), "--compile", "off", env=env)
     try:
         assert "single-user" in _line(process, "pie serve: no API keys")
     finally:
