@@ -137,6 +137,7 @@ class EngineServer:
         programs = self.engine.programs
         return {"batch_sizes": dict(self.engine.batch_sizes), "kv": kv,
                 "decode_batch_sizes": dict(self.engine.decode_batch_sizes),
+                "tokens_computed": self.engine.tokens_computed,
                 "row_epilogues": dict(self.engine.row_epilogues),
                 "step_seconds": dict(self.engine.step_seconds),
                 "hold": self.engine.scheduler.arrivals.stats(),

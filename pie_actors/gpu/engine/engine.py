@@ -65,6 +65,7 @@ class Engine:
         self.model_name = self.model_dir.name if Path(config.model).expanduser().exists() else config.model
         self.batch_sizes: Counter[int] = Counter()   # lanes per executed batch
         self.decode_batch_sizes: Counter[int] = Counter()   # the same, of batches of one row a lane
+        self.tokens_computed = 0                     # input rows the model ran, prefill and decode
         self.row_epilogues = Counter()               # "calls": batched epilogue runs, "passes": passes they served
         # seconds of executed steps by part: "plan" (scheduling, page tables), "model" (the forward
         # on the workers), "epilogue", "finish" (commits, futures); the engine's own cost is plan + finish
@@ -201,6 +202,7 @@ class Engine:
                     self.scheduler.fail(p.request, e)
             return
         self.batch_sizes[len(plan.lanes)] += 1
+        self.tokens_computed += len(plan.input_ids)
         if len(plan.input_ids) == len(plan.lanes):
             self.decode_batch_sizes[len(plan.lanes)] += 1
         t1 = time.perf_counter()

@@ -98,6 +98,7 @@ class SeqState(TypedDict):
 class Stats(TypedDict):
     batch_sizes: dict[int, int]   # lanes per batch -> batches run
     decode_batch_sizes: dict[int, int]   # the same, of batches of one row a lane (decode steps)
+    tokens_computed: int          # input rows the model ran, prefill and decode (what prefix reuse saves)
     hold: dict[str, float]        # the scheduler's waits for coming programs (scheduler.Arrivals)
     row_epilogues: dict[str, int] # epilogues run once for many passes: calls, passes they served
     step_seconds: dict[str, float]  # executed steps' time by part: plan, model, epilogue, finish; steps
