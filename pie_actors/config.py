@@ -137,6 +137,11 @@ class ServeConfig:
     routes: dict[str, str] = _doc("[serve.routes]: an API route mapped to your own inferlet in place of "
                                   'the built-in one, e.g. "/v1/chat/completions" = "my_chat.py"',
                                   default_factory=dict)
+    idle_timeout_s: float = _doc("seconds a process launched over the WebSocket (pie-client) may go with no "
+                                 "client attached; then it is ended, its KV pages return", default=600.0)
+    detached_buffer: int = _doc("messages a process launched over the WebSocket may send while no client is "
+                                "attached; one more ends it (the next attach reads the kept ones, then why)",
+                                default=1024)
 
     def __post_init__(self) -> None:
         for name in ("api_keys", "served_model_names"):
@@ -151,6 +156,9 @@ class ServeConfig:
             raise ConfigError('serve.routes maps routes ("/v1/...") to inferlet paths')
         if not 0 <= self.port < 65536:
             raise ConfigError(f"serve.port must be a port number, got {self.port!r}")
+        if not self.idle_timeout_s > 0:
+            raise ConfigError(f"serve.idle_timeout_s must be positive, got {self.idle_timeout_s!r}")
+        _check_min(self, "serve", detached_buffer=0)
 
 
 @dataclass(frozen=True)

@@ -373,6 +373,8 @@ def _wait_any(run: _Run, ids: str, timeout_ms: int) -> str:
 
 
 def _send(run: _Run, msg: str) -> None:
+    if run.api.cancelled is not None:      # a guest that only sends still stops when it is cancelled
+        raise _Deadline()
     run.api.send(msg)
 
 

@@ -1,12 +1,9 @@
-"""The ASGI app of `pie serve`: the routes of every API on one Starlette app, behind the API keys,
-with /health, /metrics and /openapi.json.
-
-A client may present its key the way any of the APIs does: `Authorization: Bearer`, `x-api-key`,
-`x-goog-api-key` or `?key=`. With keys set, every route but /health needs one.
+"""The ASGI app of `pie serve`: the routes of every API on one Starlette app, behind the API keys
+(auth.py), with /health, /metrics and /openapi.json, and the WebSocket of pie-client at /v1/ws
+(ws.py). With keys set, every route but /health needs one.
 """
 from __future__ import annotations
 
-import hmac
 import logging
 from typing import Collection
 
@@ -14,8 +11,11 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route as StarletteRoute
+from starlette.routing import WebSocketRoute
 
-from . import anthropic_api, gemini_api, openai_api
+from ..ws_protocol import PATH as WS_PATH
+from . import anthropic_api, gemini_api, openai_api, ws
+from .auth import check_key, presented_key
 from .errors import ApiError
 from .openapi import document
 from .routes import Route, Serving, parse
@@ -53,28 +53,11 @@ ROUTES: list[Route] = [*gemini_api.ROUTES, *openai_api.ROUTES, *anthropic_api.RO
 OPENAPI = document(ROUTES, "pie serve", "1")
 
 
-def _presented_key(request: Request) -> str | None:
-    auth = request.headers.get("authorization", "")
-    if auth[:7].lower() == "bearer ":
-        return auth[7:].strip()
-    return (request.headers.get("x-api-key") or request.headers.get("x-goog-api-key")
-            or request.query_params.get("key"))
-
-
-def _authenticate(request: Request, keys: Collection[str]) -> None:
-    key = _presented_key(request)
-    if not key:
-        raise ApiError("missing_key", "this server needs an API key (Authorization: Bearer KEY, x-api-key, "
-                                      "x-goog-api-key or ?key=)")
-    if not any(hmac.compare_digest(key.encode(), k.encode()) for k in keys):
-        raise ApiError("invalid_key", "the API key is not valid")
-
-
 def _endpoint(route: Route, serving: Serving, keys: Collection[str]):
     async def handle(request: Request) -> Response:
         try:
             if keys and not route.public:
-                _authenticate(request, keys)
+                check_key(presented_key(request), keys)
             if route.engine and serving.endpoints is None:
                 raise ApiError("unavailable", serving.loading_error or "the engine is still loading")
             body = await parse(request, route.body) if route.body is not None else None
@@ -98,5 +81,6 @@ def build_app(serving: Serving, api_keys: Collection[str]) -> Starlette:
                                        "type": "invalid_request_error", "param": None, "code": None}},
                             status_code=status)
 
-    return Starlette(routes=[StarletteRoute(r.path, _endpoint(r, serving, keys), methods=[r.method]) for r in ROUTES],
+    routes = [StarletteRoute(r.path, _endpoint(r, serving, keys), methods=[r.method]) for r in ROUTES]
+    return Starlette(routes=[*routes, WebSocketRoute(WS_PATH, ws.endpoint(serving, keys))],
                      exception_handlers={404: not_found, 405: not_found})

@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 from .errors import ApiError
 from .inferlets import Call, ClientGone, Endpoints
 from .metrics import Metrics
+from .sessions import Sessions
 from .sse import EventStream, frame
 
 __all__ = ["Api", "Route", "Serving", "Shape", "parse", "answer", "count"]
@@ -66,11 +67,12 @@ class Route:
 @dataclass
 class Serving:
     """What the handlers share: the model's names, its endpoints (None while the engine loads),
-    the runtime and the metrics."""
+    the runtime, the metrics, and the processes launched over the WebSocket."""
 
     model: str
     names: tuple[str, ...]
     metrics: Metrics
+    sessions: Sessions
     runtime: Any = None
     endpoints: Endpoints | None = None
     loading_error: str | None = field(default=None)

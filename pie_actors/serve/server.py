@@ -9,6 +9,7 @@ engine has loaded, which happens on another thread: `Runtime.local` in this proc
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -22,8 +23,11 @@ from .app import build_app
 from .inferlets import Endpoints
 from .metrics import Metrics
 from .routes import Serving
+from .sessions import Sessions
 
 __all__ = ["Server", "served_names", "api_keys"]
+
+log = logging.getLogger("pie.serve")
 
 START_TIMEOUT_S = 600.0
 
@@ -46,9 +50,10 @@ def api_keys(config: Config) -> tuple[str, ...]:
 
 
 class Server:
-    """The OpenAI, Anthropic and Gemini APIs on one port, for `model` (default: the configured one).
-    `settings` override the config by name (host, port, api_keys, served_model_names, routes, and
-    the engine's and runs' settings: dtype, num_pages, timeout_s...); `port=0` picks a free port.
+    """The OpenAI, Anthropic and Gemini APIs, and pie-client's WebSocket, on one port, for `model`
+    (default: the configured one). `settings` override the config by name (host, port, api_keys,
+    served_model_names, routes, idle_timeout_s, and the engine's and runs' settings: dtype,
+    num_pages, timeout_s...); `port=0` picks a free port.
     `local`: the engine in this process (else the Ray cluster at `address`, RAY_ADDRESS or here)."""
 
     def __init__(self, model: str | None = None, *, local: bool = True, address: str | None = None,
@@ -59,7 +64,9 @@ class Server:
         self.api_keys = api_keys(self.config)
         metrics = Metrics()
         self._endpoints = Endpoints(self.config.serve.routes, metrics)
-        self.serving = Serving(model_name(self.config.engine.model), served_names(self.config), metrics)
+        serve = self.config.serve
+        self.serving = Serving(model_name(self.config.engine.model), served_names(self.config), metrics,
+                               Sessions(serve.idle_timeout_s, serve.detached_buffer))
         self._loaded = threading.Event()
         self._uvicorn = None
         self._threads: list[threading.Thread] = []
@@ -77,6 +84,9 @@ class Server:
         config = uvicorn.Config(build_app(self.serving, self.api_keys), loop="uvloop", lifespan="off",
                                 log_level="info" if self.access_log else "warning", access_log=self.access_log)
         self._uvicorn = uvicorn.Server(config)
+        if not self.api_keys:
+            log.warning("pie serve: no API keys: single-user mode, open to anyone who can reach %s (set --api-key, "
+                        "serve.api_keys in the config, or PIE_API_KEYS)", self.url)
         self._spawn(self._listen, "pie-serve-http")
         self._spawn(self._load, "pie-serve-load")
         deadline = time.monotonic() + 30
