@@ -1,4 +1,4 @@
-"""The `pie` command line, and `pie-client` (talks to the processes of a running cluster).
+"""The `pie` command line, and `pie-client` (programs on a running `pie serve`, over its WebSocket).
 
 Each top-level subcommand is one `_add_<name>(subparsers)` function that builds its parser and sets
 `handler` to a small function taking the parsed arguments; to add a subcommand (generate, run,
@@ -130,9 +130,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def parse_inputs(words: list[str]) -> dict:
     """`--key value` pairs after `--` into the inferlet's input dict. Values are JSON when they
-    parse (numbers, booleans, lists), else strings; a `--flag` with no value is True."""
+    parse (numbers, booleans, lists), else strings; a `--flag` with no value is True. The `--`
+    itself may lead (argparse keeps it where no positional argument comes before)."""
     inputs: dict = {}
-    i = 0
+    i = 1 if words[:1] == ["--"] else 0
     while i < len(words):
         key = words[i]
         if not key.startswith("--") or len(key) == 2:
@@ -160,12 +161,14 @@ def _attached_files(specs: list[str]) -> dict[str, bytes]:
 
 
 class _Output:
-    """Where a run's session output goes: text to stdout as it arrives, files into a folder."""
+    """Where a run's session output goes: text to stdout as it arrives, files into a folder. `prog`
+    signs what it tells on stderr."""
 
-    def __init__(self, files_dir: str | None):
+    def __init__(self, files_dir: str | None, prog: str = "pie"):
         self.streamed = False
         self.files_dir = Path(files_dir) if files_dir else None
         self.files = 0
+        self.prog = prog
 
     def text(self, text: str) -> None:
         self.streamed = True
@@ -174,18 +177,36 @@ class _Output:
     def file(self, data: bytes) -> None:
         self.files += 1
         if self.files_dir is None:
-            print(f"\npie: the inferlet sent a file ({len(data)} bytes); keep files with --files-out DIR",
+            print(f"\n{self.prog}: the inferlet sent a file ({len(data)} bytes); keep files with --files-out DIR",
                   file=sys.stderr)
             return
         self.files_dir.mkdir(parents=True, exist_ok=True)
         path = self.files_dir / f"file-{self.files}.bin"
         path.write_bytes(data)
-        print(f"\npie: wrote {path} ({len(data)} bytes)", file=sys.stderr)
+        print(f"\n{self.prog}: wrote {path} ({len(data)} bytes)", file=sys.stderr)
+
+    def follow(self, process) -> int:
+        """Print a process's events as they come: its text, its files, then its result as JSON on
+        a line of its own. 0, or 1 when it failed."""
+        from .process import Done, Failed, File, Send
+
+        for event in process.events():
+            if isinstance(event, Send):
+                self.text(event.text)
+            elif isinstance(event, File):
+                self.file(event.data)
+            elif isinstance(event, Failed):
+                print(f"\n{self.prog}: inferlet failed: {event.error()}", file=sys.stderr)
+                return 1
+            elif isinstance(event, Done):
+                if self.streamed:
+                    print()
+                print(json.dumps(event.output, ensure_ascii=False))
+        return 0
 
 
 def _run(args: argparse.Namespace) -> int:
     """`pie run`: launch the inferlet through the launch API and print its events as they come."""
-    from .process import Done, Failed, File, Send
     from .runtime import Runtime
 
     out = _Output(args.files_out)
@@ -195,22 +216,10 @@ def _run(args: argparse.Namespace) -> int:
     with (Runtime.local if args.local else Runtime.connect)(**settings) as runtime:
         process = runtime.launch(args.file, inputs, name=args.name, files=files)
         try:
-            for event in process.events():
-                if isinstance(event, Send):
-                    out.text(event.text)
-                elif isinstance(event, File):
-                    out.file(event.data)
-                elif isinstance(event, Failed):
-                    print(f"\npie: inferlet failed: {event.error()}", file=sys.stderr)
-                    return 1
-                elif isinstance(event, Done):
-                    if out.streamed:
-                        print()                  # the returned JSON goes on its own line
-                    print(json.dumps(event.output, ensure_ascii=False))
+            return out.follow(process)
         except KeyboardInterrupt:
             process.kill()
             raise
-    return 0
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -240,7 +249,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--file", dest="file_attach", action="append", default=[], metavar="NAME=PATH",
                      help="attach a file, read in the inferlet with session.file(NAME) (repeatable)")
     run.add_argument("--files-out", metavar="DIR", help="where files the inferlet sends are written")
-    run.add_argument("--name", help="process name (for pie-client send/kill and session.send_to)")
+    run.add_argument("--name", help="process name (for other inferlets' session.send_to)")
     run.add_argument("--local", action="store_true",
                      help="run everything in this process (no Ray): engine, server and sandbox. Default: "
                           "join the Ray cluster at RAY_ADDRESS or on this machine, or start a local one")
@@ -259,9 +268,6 @@ def _serve(args: argparse.Namespace) -> int:
     names = ", ".join(server.serving.names)
     print(f"pie serve: {server.url} (OpenAI {server.url}/v1, Anthropic and Gemini {server.url}); model "
           f"{server.serving.model}, answering to {names}", flush=True)
-    if not server.api_keys:
-        print("pie serve: no API keys: single-user mode, open to anyone who can reach this port (set --api-key, "
-              "serve.api_keys in the config, or PIE_API_KEYS)", flush=True)
     try:
         server.wait_ready()
     except BaseException:
@@ -304,44 +310,55 @@ def main(argv: list[str] | None = None) -> int:
     return _dispatch(build_parser().parse_args(argv), "pie")
 
 
-# --- pie-client: talk to the processes of a running cluster ---------------------------------------
+# --- pie-client: programs on a running pie serve ---------------------------------------------------
 
-def _controller():
-    """The Controller of the cluster at RAY_ADDRESS or on this machine (never starts one)."""
-    import ray
+def _connect(args: argparse.Namespace):
+    import os
 
-    from .controller import NAME, NAMESPACE
-    from .runtime import cluster_address
-    address = cluster_address()
-    if address is None:
-        raise ValueError("no Ray cluster is running here (start one with `ray start --head`, or set "
-                         "RAY_ADDRESS)")
-    ray.init(address=address, log_to_driver=False, logging_level="ERROR", configure_logging=False)
-    try:
-        return ray.get_actor(NAME, namespace=NAMESPACE)
-    except ValueError:
-        raise ValueError("the cluster has no pie Controller yet (it starts with the first `pie run`)") from None
+    from .client import Client
+    return Client(getattr(args, "url", None) or os.environ.get("PIE_URL") or "http://127.0.0.1:8080",
+                  getattr(args, "api_key", None) or os.environ.get("PIE_API_KEY") or None)
+
+
+def _client_submit(args: argparse.Namespace) -> int:
+    """`pie-client submit`: launch on the server and print the events as `pie run` does (Ctrl-C
+    kills the process); --detach prints its id instead."""
+    out = _Output(args.files_out, "pie-client")
+    files = _attached_files(args.file_attach)
+    inputs = parse_inputs(args.inputs)
+    with _connect(args) as client:
+        process = client.submit(args.path, inputs, name=args.name, files=files, timeout=args.timeout,
+                                detach=args.detach)
+        if args.detach:
+            print(process.id)
+            return 0
+        try:
+            return out.follow(process)
+        except KeyboardInterrupt:
+            process.kill()
+            raise
+
+
+def _client_attach(args: argparse.Namespace) -> int:
+    """`pie-client attach`: what the process sent meanwhile, then its next events (Ctrl-C detaches)."""
+    with _connect(args) as client:
+        process = client.attach(args.process)
+        try:
+            return _Output(args.files_out, "pie-client").follow(process)
+        except KeyboardInterrupt:
+            process.detach()
+            print(f"\npie-client: detached; `pie-client attach {process.id}` follows it again", file=sys.stderr)
+            raise
 
 
 def _client_ps(args: argparse.Namespace) -> int:
-    import ray
-    status = ray.get(_controller().status.remote())
-    print(f"{'PROCESS':24} {'MODEL':28} RUNNING")
-    for name, p in sorted(status["processes"].items()):
-        print(f"{name:24} {p['model'] or '(default)':28} {p['running_s']:.1f}s")
-    return 0
-
-
-def _client_call(method: str, *call_args) -> int:
-    import ray
-
-    from .controller import UnknownProcess
-    try:
-        ray.get(getattr(_controller(), method).remote(*call_args))
-    except ray.exceptions.RayTaskError as e:
-        if isinstance(e.cause, (UnknownProcess, ValueError)):
-            raise ValueError(str(e.cause)) from None
-        raise
+    with _connect(args) as client:
+        rows = [("PROCESS", "NAME", "STATE", "ATTACHED", "BUFFERED", "AGE")]
+        rows += [(p["process"], p["name"], p["state"], "yes" if p["attached"] else "no", str(p["buffered"]),
+                  f"{p['age_s']:.1f}s") for p in client.ps()]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     return 0
 
 
@@ -350,31 +367,57 @@ def _client_send(args: argparse.Namespace) -> int:
         message = json.loads(args.message)
     except json.JSONDecodeError:
         message = args.message
-    return _client_call("send", args.process, message)
+    with _connect(args) as client:
+        client.send(args.process, message)
+    return 0
 
 
 def _client_kill(args: argparse.Namespace) -> int:
-    return _client_call("kill", args.process)
+    with _connect(args) as client:
+        client.kill(args.process)
+    return 0
 
 
 def build_client_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pie-client", description="talk to running inferlets")
+    # --url and --api-key go before or after the subcommand (unset ones are left out: _connect)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", default=argparse.SUPPRESS,
+                        help="the pie serve to talk to (default: $PIE_URL, else http://127.0.0.1:8080)")
+    common.add_argument("--api-key", default=argparse.SUPPRESS, help="its API key (default: $PIE_API_KEY)")
+    parser = argparse.ArgumentParser(prog="pie-client", parents=[common],
+                                     description="run inferlets on a running pie serve, and talk to them")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("ps", help="list running inferlet processes").set_defaults(handler=_client_ps)
-    send = sub.add_parser("send", help="send a message to a process's session.receive()")
-    send.add_argument("process")
+    submit = sub.add_parser("submit", parents=[common], help="launch an inferlet: pie-client submit --path main.py "
+                                                             "[options] -- --key value ...")
+    submit.add_argument("--path", required=True, help="the inferlet: a .py file, or a folder with main.py")
+    submit.add_argument("inputs", nargs=argparse.REMAINDER, help="-- then --key value pairs: the input dict")
+    submit.add_argument("--file", dest="file_attach", action="append", default=[], metavar="NAME=PATH",
+                        help="attach a file, read in the inferlet with session.file(NAME) (repeatable)")
+    submit.add_argument("--files-out", metavar="DIR", help="where files the inferlet sends are written")
+    submit.add_argument("--name", help="process name (for this key's other inferlets' session.send_to)")
+    submit.add_argument("--timeout", type=float, help="wall-clock limit in seconds (default: the server's)")
+    submit.add_argument("--detach", action="store_true", help="print the process id and leave it running")
+    submit.set_defaults(handler=_client_submit)
+    attach = sub.add_parser("attach", parents=[common], help="follow a process: what it sent meanwhile, then "
+                                                             "its next events (Ctrl-C detaches)")
+    attach.add_argument("process", help="its id")
+    attach.add_argument("--files-out", metavar="DIR", help="where files the inferlet sends are written")
+    attach.set_defaults(handler=_client_attach)
+    sub.add_parser("ps", parents=[common], help="list this key's processes").set_defaults(handler=_client_ps)
+    send = sub.add_parser("send", parents=[common], help="send a message to a process's session.receive()")
+    send.add_argument("process", help="its id")
     send.add_argument("message", help="text, or JSON")
     send.set_defaults(handler=_client_send)
-    kill = sub.add_parser("kill", help="cancel a process (its KV pages return)")
-    kill.add_argument("process")
+    kill = sub.add_parser("kill", parents=[common], help="end a process (its KV pages return)")
+    kill.add_argument("process", help="its id")
     kill.set_defaults(handler=_client_kill)
     return parser
 
 
-def _dispatch(args: argparse.Namespace, prog: str) -> int:
+def _dispatch(args: argparse.Namespace, prog: str, errors: tuple[type[BaseException], ...] = _USER_ERRORS) -> int:
     try:
         return args.handler(args)
-    except _USER_ERRORS as e:
+    except errors as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -382,7 +425,10 @@ def _dispatch(args: argparse.Namespace, prog: str) -> int:
 
 
 def client_main(argv: list[str] | None = None) -> int:
-    return _dispatch(build_client_parser().parse_args(argv), "pie-client")
+    from .ws_protocol import RequestError
+
+    # the server's refusals and an unreachable server are one line too
+    return _dispatch(build_client_parser().parse_args(argv), "pie-client", (*_USER_ERRORS, RequestError, ConnectionError))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""`pie run` runs the documents' programs: streamed text, then the returned JSON on its own line."""
+"""`pie run` runs the documents' programs: streamed text, then the returned JSON on its own line;
+`pie-client` does the same on a running pie serve, and follows, messages and kills its processes."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pie_actors.cli import parse_inputs
+from serve_helpers import KEY, start
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,24 +93,9 @@ def test_input_arguments_parse_as_json_when_they_can():
     assert parse_inputs(["--question", "What is 2+2?", "--n", "3", "--t", "0.5", "--stream",
                          "--tags", '["a", "b"]']) == \
         {"question": "What is 2+2?", "n": 3, "t": 0.5, "stream": True, "tags": ["a", "b"]}
+    assert parse_inputs(["--", "--n", "3"]) == {"n": 3}          # the -- that argparse may keep
     with pytest.raises(ValueError, match="--key value"):
         parse_inputs(["question", "x"])
-
-
-WAITER = """
-from inferlet import session
-
-async def main(input):
-    session.send("waiting")
-    return {"got": await session.receive()}
-"""
-
-
-def _wait_line(stream, timeout: float = 120.0) -> None:
-    """Block until the background run has streamed its first text (it is waiting then)."""
-    import select
-    ready, _, _ = select.select([stream], [], [], timeout)
-    assert ready and stream.read(7) == "waiting"
 
 
 def test_a_stale_cluster_address_file_is_not_joined(tmp_path, monkeypatch):
@@ -132,43 +119,48 @@ def test_a_stale_cluster_address_file_is_not_joined(tmp_path, monkeypatch):
         live.listen()
         address_file.write_text(f"127.0.0.1:{live.getsockname()[1]}")
         assert cluster_address() == f"127.0.0.1:{live.getsockname()[1]}"
-    address_file.write_text(dead)
-    client = subprocess.run([str(Path(sys.executable).parent / "pie-client"), "ps"], capture_output=True,
-                            text=True, timeout=120, env=dict(os.environ))
-    assert client.returncode == 1 and "no Ray cluster" in client.stderr
 
 
-def test_pie_client_lists_messages_and_kills_processes_of_a_running_cluster(default_model_dir, tmp_path):
-    """`ray start --head` keeps a cluster up between commands: `pie run` joins it (its engine stays
-    warm), `pie-client` finds its processes by name."""
-    bin_dir = Path(sys.executable).parent
-    env = dict(os.environ, PIE_HOME=str(default_model_dir.parent.parent), RAY_AUTH_MODE="disabled")
+WAITER = """
+from inferlet import session
+
+async def main(input):
+    session.send("waiting")
+    return {"got": await session.receive()}
+"""
+
+
+def test_pie_client_submits_to_a_running_server_and_talks_to_its_processes(default_model_dir, tmp_path):
+    """`pie-client submit` streams like `pie run`; a detached process is listed, messaged, followed
+    again and killed by the id the server gave it."""
     prog = tmp_path / "waiter.py"
     prog.write_text(WAITER)
+    with start(default_model_dir, api_keys=(KEY,)) as server:
+        env = {k: v for k, v in os.environ.items() if k not in ("PIE_URL", "PIE_API_KEY")}
 
-    def client(*args):
-        return subprocess.run([str(bin_dir / "pie-client"), *args], capture_output=True, text=True,
-                              timeout=120, env=env)
+        def client(*args: str, key: str = KEY) -> subprocess.CompletedProcess:
+            return subprocess.run([str(Path(sys.executable).parent / "pie-client"), *args], capture_output=True,
+                                  text=True, timeout=120, cwd=ROOT, env=dict(env, PIE_URL=server.url, PIE_API_KEY=key))
 
-    assert "no Ray cluster" in client("ps").stderr
-    subprocess.run([str(bin_dir / "ray"), "start", "--head", "--num-cpus", "2", "--include-dashboard=false"],
-                   check=True, capture_output=True, timeout=120, env=env)
-    try:
-        runs = {name: subprocess.Popen([str(bin_dir / "pie"), "run", "--dtype", "float32", "--compile", "off",
-                                        "--name", name,
-                                        str(prog)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       text=True, env=env, cwd=ROOT) for name in ("one", "two")}
-        for run in runs.values():
-            _wait_line(run.stdout)
-        listed = client("ps")
-        assert listed.returncode == 0 and {"one", "two"} <= set(listed.stdout.split())
-        assert client("send", "one", '{"n": 1}').returncode == 0
-        out, _ = runs["one"].communicate(timeout=60)
-        assert json.loads(out.strip().splitlines()[-1]) == {"got": {"n": 1}}
-        assert client("kill", "two").returncode == 0
-        _, err = runs["two"].communicate(timeout=60)
-        assert runs["two"].returncode == 1 and "cancelled: killed by request (process 'two')" in err
-        missing = client("send", "two", "hi")
-        assert missing.returncode == 1 and "no running inferlet named 'two'" in missing.stderr
-    finally:
-        subprocess.run([str(bin_dir / "ray"), "stop", "--force"], capture_output=True, timeout=120, env=env)
+        out = client("submit", "--path", "examples/quickstart/main.py", "--", "--question",
+                     "What is the capital of France?")
+        assert out.returncode == 0, out.stderr[-2000:]
+        *streamed, last = out.stdout.rstrip("\n").split("\n")
+        result = json.loads(last)
+        assert "Paris" in result["text"] and "\n".join(streamed) == result["text"]
+
+        one, two = (client("submit", "--detach", "--path", str(prog)).stdout.strip() for _ in range(2))
+        listed = subprocess.run([str(Path(sys.executable).parent / "pie-client"), "ps", "--url", server.url,
+                                 "--api-key", KEY], capture_output=True, text=True, timeout=120, env=env)
+        rows = {line.split()[0]: line.split()[2:4] for line in listed.stdout.splitlines()[1:]}
+        assert rows == {one: ["running", "no"], two: ["running", "no"]}
+        assert client("send", one, '{"n": 1}').returncode == 0
+        assert client("attach", one).stdout == 'waiting\n{"got": {"n": 1}}\n'
+        assert client("kill", two).returncode == 0
+        killed = client("attach", two)
+        assert killed.returncode == 1 and "inferlet cancelled: killed by request" in killed.stderr
+        missing = client("send", two, "hi")
+        assert missing.returncode == 1 and f"not_found: no process {two!r}" in missing.stderr
+        assert client("ps").stdout.splitlines()[1:] == []
+        refused = client("ps", key="not-a-key")
+        assert refused.returncode == 1 and refused.stderr == "pie-client: error: invalid_key: the API key is not valid\n"
