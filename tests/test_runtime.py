@@ -227,7 +227,8 @@ def test_a_late_kill_does_not_reach_the_actors_next_run(cluster):
 
 def test_no_host_side_module_imports_torch():
     modules = ["pie_actors", "pie_actors.runtime", "pie_actors.controller", "pie_actors.cli",
-               "pie_actors.process", "pie_actors.program", "pie_actors.config"]
+               "pie_actors.process", "pie_actors.program", "pie_actors.config", "pie_actors.client",
+               "pie_actors.ws_protocol"]
     package = Path(__file__).resolve().parent.parent / "pie_actors" / "inferlet"
     modules += [f"pie_actors.inferlet.{p.stem}" for p in package.glob("*.py") if p.stem != "__init__"]
     code = f"import importlib, sys\nfor m in {modules!r}:\n    importlib.import_module(m)\nprint('torch' in sys.modules)"
