@@ -112,6 +112,15 @@ class RunLimits:
 
     timeout_s: float = _doc("wall-clock limit of a run, in seconds", default=300.0)
     memory_mb: int = _doc("the sandbox's linear memory limit per run (the guest's heap)", default=512)
+    # wasmtime bounds nothing by default; the runner component needs 14 instances, 2 tables of at
+    # most 5,674 elements and 1 memory, whatever the inferlet (its Python code adds none of these)
+    table_elements: int = _doc("elements a WebAssembly table of the sandbox may hold", default=65536)
+    instances: int = _doc("WebAssembly instances the sandbox may create per run", default=32)
+    tables: int = _doc("WebAssembly tables the sandbox may create per run", default=8)
+    memories: int = _doc("linear memories the sandbox may create per run (each within memory_mb)", default=1)
+    message_mb: int = _doc("the most text, in MiB (2^20 characters), a run hands its host at once: one "
+                           "session.send message, or the arguments of one host call (a prompt, a "
+                           "session.send_file or session.send_to payload)", default=16)
     run_ahead_window: int = _doc("passes a run_ahead loop keeps in flight beyond what the host has read",
                                  default=8)
     channel_capacity: int = _doc("what model.channel_capacity() tells programs to ask of a channel that "
@@ -121,7 +130,8 @@ class RunLimits:
         _check_types(self, "limits")
         if not self.timeout_s > 0:
             raise ConfigError(f"limits.timeout_s must be positive, got {self.timeout_s!r}")
-        _check_min(self, "limits", memory_mb=16, run_ahead_window=1, channel_capacity=1)
+        _check_min(self, "limits", memory_mb=16, table_elements=1, instances=1, tables=1, memories=1,
+                   message_mb=1, run_ahead_window=1, channel_capacity=1)
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,12 @@ sdk/inferlet/_host.py):
   future for that id with the value, or raises HostError(message) into whoever awaits it.
   Each completion is delivered once, then forgotten.
 
-* Each run gets a fresh wasmtime Store and instance (about a millisecond), a memory limit
-  (``Store.set_limits``) and a wall-clock deadline (epoch interruption driven by a ticker
-  thread; a guest blocked in ``wait-any`` is woken at the deadline too). Whatever goes wrong
-  -- an exception in the inferlet, the deadline, the memory limit, a trap -- ends that run
+* Each run gets a fresh wasmtime Store and instance (about a millisecond), limits on its
+  memory, tables and instances (``Store.set_limits``: wasmtime bounds none of them by default),
+  a wall-clock deadline (epoch interruption driven by a ticker thread; a guest blocked in
+  ``wait-any`` is woken at the deadline too) and a bound on what one host call or one ``send``
+  may carry (``RunLimits.message_mb``). Whatever goes wrong -- an exception in the inferlet,
+  the deadline, a limit, a trap -- ends that run
   only, as ``InferletError(kind, message, guest_traceback)``, and the next run on the same
   Sandbox starts from the clean snapshot. ``HostApi.on_exit`` is called after every run
   (success or not): the place to free the run's KV pages and other host-side state.
@@ -43,7 +45,7 @@ from typing import Any, Callable
 from ..config import RunLimits
 from .build import Artifact, build_bundle, ensure_runner, new_engine
 
-__all__ = ["Sandbox", "HostApi", "HostOpError", "FutureTable", "Inbox", "InferletError"]
+__all__ = ["Sandbox", "HostApi", "HostOpError", "FutureTable", "Inbox", "InferletError", "limit_store"]
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +60,12 @@ class InferletError(Exception):
     """A run of an inferlet that failed.
 
     kind: "exception" (the inferlet raised), "timeout" (wall-clock deadline), "memory"
-    (memory limit), "trap" (the WebAssembly instance trapped, or a host import failed), or
+    (memory or table limit), "limit" (another bound of RunLimits: a message too large), "trap"
+    (the WebAssembly instance trapped, its call stack overflowed, or a host import failed), or
     "cancelled" (stopped from outside: `HostApi.cancel`).
     """
 
-    KINDS = ("exception", "timeout", "memory", "trap", "cancelled")
+    KINDS = ("exception", "timeout", "memory", "limit", "trap", "cancelled")
 
     def __init__(self, kind: str, message: str, guest_traceback: str = ""):
         assert kind in self.KINDS, kind
@@ -319,10 +322,11 @@ class _Deadline(Exception):
 class _Run:
     """State of one run, seen by the host imports (through a thread-local)."""
 
-    def __init__(self, api: HostApi, timeout: float):
+    def __init__(self, api: HostApi, limits: RunLimits):
         self.api = api
-        self.timeout = timeout
-        self.deadline = time.monotonic() + timeout
+        self.timeout = limits.timeout_s
+        self.deadline = time.monotonic() + limits.timeout_s
+        self.max_text = limits.message_mb << 20     # characters one call's args or one send may hold
         self.failure: InferletError | None = None
         self.stderr_tail = ""                     # the guest's last stderr output, for trap reports
 
@@ -339,6 +343,9 @@ def _call(run: _Run, op: str, args: str):
 
     if run.api.cancelled is not None:
         raise _Deadline()
+    if len(args) > run.max_text:         # refused before the host parses (and holds) it
+        return Variant("err", f"{op}: arguments of {len(args)} characters exceed the run's limit of "
+                              f"{run.max_text} (limits.message_mb)")
     try:
         result = run.api.call(op, json.loads(args))
         return Variant("ok", _dumps(result))
@@ -375,14 +382,24 @@ def _wait_any(run: _Run, ids: str, timeout_ms: int) -> str:
 def _send(run: _Run, msg: str) -> None:
     if run.api.cancelled is not None:      # a guest that only sends still stops when it is cancelled
         raise _Deadline()
+    if len(msg) > run.max_text:
+        raise InferletError("limit", f"session.send of {len(msg)} characters exceeds the run's limit of "
+                                     f"{run.max_text} (limits.message_mb)")
     run.api.send(msg)
+
+
+def limit_store(store, limits: RunLimits) -> None:
+    """Bound what a guest in `store` may take: its linear memory, table elements, instances,
+    tables and memories (past a bound, memory.grow and table.grow fail; instantiation too)."""
+    store.set_limits(memory_size=limits.memory_mb << 20, table_elements=limits.table_elements,
+                     instances=limits.instances, tables=limits.tables, memories=limits.memories)
 
 
 class Sandbox:
     """Runs inferlets in fresh instances of one compiled component.
 
     `bundle`: a bundle folder (see build.build_bundle); None for the shared runner. `limits`
-    (timeout_s, memory_mb of guest linear memory) are defaults that each run may override. Runs
+    (RunLimits: deadline, memory, tables, message size) are defaults that each run may override. Runs
     may happen concurrently on different threads.
     """
 
@@ -454,8 +471,8 @@ class Sandbox:
         wasmtime = self._wasmtime
         api = api if api is not None else HostApi()
         limits = limits or self.limits
-        timeout, memory_limit = limits.timeout_s, limits.memory_mb << 20
-        run = _Run(api, timeout)
+        timeout = limits.timeout_s
+        run = _Run(api, limits)
         error: InferletError | None = None
         store = None
         self._ticker.acquire()
@@ -467,12 +484,12 @@ class Sandbox:
             wasi.stdout_custom = lambda data: run.output("stdout", data)
             wasi.stderr_custom = lambda data: run.output("stderr", data)
             store.set_wasi(wasi)
-            store.set_limits(memory_size=memory_limit)
+            limit_store(store, limits)
             store.set_epoch_deadline(int(timeout / EPOCH_PERIOD_S) + 1)
             try:
                 instance = self.linker.instantiate(store, self.component)
-            except wasmtime.WasmtimeError as e:
-                raise InferletError("memory" if "memory" in str(e) else "trap",
+            except wasmtime.WasmtimeError as e:     # "... exceeds memory limits", "... table limits"
+                raise InferletError("memory" if "limits" in str(e) else "trap",
                                     f"could not instantiate the inferlet component: {e}") from None
             func = instance.get_func(store, "run")
             t1 = time.perf_counter()
@@ -521,6 +538,8 @@ class Sandbox:
             return InferletError("memory", "the inferlet ran out of memory",
                                  (run.stderr_tail + "\n" + text).strip())
         detail = (run.stderr_tail + "\n" + text).strip()
+        if "call stack exhausted" in cause:           # wasmtime's stack bound (Config.max_wasm_stack)
+            return InferletError("trap", "the inferlet exhausted its call stack (recursion too deep)", detail)
         if isinstance(e, self._wasmtime.ExitTrap):
             return InferletError("trap", f"the inferlet exited with status {e.code}", detail)
         return InferletError("trap", cause.splitlines()[0], detail)
