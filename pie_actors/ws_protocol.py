@@ -73,8 +73,8 @@ import msgpack
 from .process import Done, Event, Failed, File, Send
 from .program import Program
 
-__all__ = ["PATH", "RequestError", "encode", "decode", "program_payload", "program_of", "program_hash",
-           "event_frame", "frame_event"]
+__all__ = ["PATH", "CODES", "RequestError", "encode", "decode", "binary", "program_payload", "program_of",
+           "program_hash", "event_frame", "frame_event"]
 
 PATH = "/v1/ws"
 CODES = ("bad_frame", "missing_key", "invalid_key", "not_found", "unavailable", "invalid_request", "server_error")
