@@ -23,6 +23,8 @@ from ..program import Program
 from .host import HostOpError
 from .run import Run, sandbox_for
 
+SEND_TO_WAIT_S = 30.0    # the longest session.send_to waits for the Controller (a host op's own bound)
+
 
 class InferletActor:
     """Plain class; the Ray actor is `inferlet_actor()` (see there)."""
@@ -94,9 +96,11 @@ def _send_to(controller: Any, owner: str | None, name: str, message: Any) -> Non
     that its owner has no process of that name)."""
     import ray
     try:
-        ray.get(controller.send.remote(owner, name, message))
+        ray.get(controller.send.remote(owner, name, message), timeout=SEND_TO_WAIT_S)
     except ray.exceptions.RayTaskError as e:
         raise HostOpError(str(e.cause)) from None
+    except ray.exceptions.GetTimeoutError:
+        raise HostOpError(f"session.send_to: the Controller did not answer within {SEND_TO_WAIT_S:.0f} s") from None
 
 
 def inferlet_actor(**options: Any):

@@ -26,7 +26,7 @@ from .run_state import RunState
 
 __all__ = ["EtaOps"]
 
-FORK_WAIT_S = 600.0     # how long ws.fork waits for the parent's passes to run
+FORK_WAIT_S = 600.0     # how long ws.fork waits for the parent's passes to run (within the run's deadline)
 _LANE_KEYS = {"ws", "tokens", "chan", "positions", "slots", "kv_len", "mask", "fold", "readout"}
 
 
@@ -95,7 +95,8 @@ class EtaOps:
         seq = self._seq(handle)
         self.run.flush()                          # the passes to wait for go out first
         with self._busy_cond:
-            if not self._busy_cond.wait_for(lambda: not self._busy[handle], FORK_WAIT_S):
+            if not self._busy_cond.wait_for(lambda: not self._busy[handle], self.run.time_left(FORK_WAIT_S)):
+                self.run.time_left(FORK_WAIT_S)      # the run's deadline passed: its timeout
                 raise HostOpError(f"fork: the working set's passes did not finish in {FORK_WAIT_S:.0f} s")
         return self._new_ws(self.run.wait(self.run.client.fork(seq)))
 

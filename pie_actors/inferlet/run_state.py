@@ -2,13 +2,19 @@
 
 The engine connection (an `EngineClient` on a loop thread of its own, so every sequence the run
 creates is freed when it closes, however the run ends), the run's `FutureTable`, the engine's
-`info`, the run's limits, where its Send / File events go, and the model's tokenizer and chat
-pieces. Nothing else is shared between the glue classes.
+`info`, the run's limits and deadline, where its Send / File events go, and the model's tokenizer
+and chat pieces. Nothing else is shared between the glue classes.
+
+Host time is not guest time: the sandbox's deadline stops guest code, not a host operation that
+waits. So every wait of a host operation has a bound of its own and ends by the run's deadline too
+(`time_left`); past the deadline the run ends as a timeout.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
+import time
 from functools import lru_cache, partial
 from typing import TYPE_CHECKING, Any, Callable, Coroutine
 
@@ -17,15 +23,16 @@ from ..gpu.engine import wire
 from ..process import Event
 from .chat_ops import ChatTokens, chat_tokens
 from .engine_client import EngineClient, EngineError
-from .host import FutureTable, HostOpError
+from .host import FutureTable, HostOpError, InferletError
 
 if TYPE_CHECKING:
     from ..tokenizer import Tokenizer
 
-__all__ = ["RunState", "CONNECT_TIMEOUT_S"]
+__all__ = ["RunState", "CONNECT_TIMEOUT_S", "HOST_WAIT_S"]
 
 CONNECT_TIMEOUT_S = 30.0
 CLOSE_TIMEOUT_S = 10.0
+HOST_WAIT_S = 30.0          # the longest a host operation waits for an engine reply
 
 
 def _run_all(calls: list[Callable[[], None]]) -> None:
@@ -46,6 +53,7 @@ class RunState:
     def __init__(self, engine_address: tuple[str, int], *, futures: FutureTable, limits: RunLimits,
                  emit: Callable[[Event], None]) -> None:
         self.futures, self.limits, self.emit = futures, limits, emit
+        self.deadline = time.monotonic() + limits.timeout_s     # the run's, as the sandbox counts it
         self._posted: list[Callable[[], None]] = []    # for the loop thread, not yet handed over
         self._posted_lock = threading.Lock()
         self.loop = asyncio.new_event_loop()
@@ -53,8 +61,8 @@ class RunState:
         self._thread.start()
         self._closed = False
         try:
-            self.client: EngineClient = self.wait(EngineClient.connect(*engine_address), CONNECT_TIMEOUT_S)
-            self.info: wire.Info = self.wait(self.client.info(), CONNECT_TIMEOUT_S)
+            self.client: EngineClient = self._wait(EngineClient.connect(*engine_address), CONNECT_TIMEOUT_S)
+            self.info: wire.Info = self._wait(self.client.info(), CONNECT_TIMEOUT_S)
         except BaseException:
             self._stop_loop()
             raise
@@ -77,14 +85,40 @@ class RunState:
         if batch:
             self.loop.call_soon_threadsafe(_run_all, batch)
 
-    def wait(self, coro: Coroutine[Any, Any, Any], timeout: float | None = CONNECT_TIMEOUT_S) -> Any:
+    def time_left(self, bound: float) -> float:
+        """Seconds a host operation may still wait: `bound`, cut to the run's deadline; raises the
+        run's timeout once the deadline has passed."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise InferletError("timeout", f"deadline of {self.limits.timeout_s:.3g} s passed while "
+                                           "waiting on the host")
+        return min(bound, left)
+
+    def wait(self, coro: Coroutine[Any, Any, Any], timeout: float = HOST_WAIT_S) -> Any:
         """Run `coro` on the loop thread, after what was posted, and wait for its result (blocking
-        host operations); an engine error becomes the guest's HostError."""
-        self.flush()
+        host operations), `timeout` seconds at most and never past the run's deadline; an engine
+        error becomes the guest's HostError."""
         try:
-            return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+            left = self.time_left(timeout)
+        except InferletError:
+            coro.close()
+            raise
+        try:
+            return self._wait(coro, left)
+        except concurrent.futures.TimeoutError:
+            self.time_left(timeout)          # the deadline passed meanwhile: the run's timeout
+            raise HostOpError(f"the engine did not answer within {timeout:.3g} s") from None
+
+    def _wait(self, coro: Coroutine[Any, Any, Any], timeout: float) -> Any:
+        self.flush()
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
         except EngineError as e:
             raise HostOpError(f"{e.type}: {e.message}") from None
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise
 
     def close(self) -> None:
         """Close the engine connection (the engine frees every sequence of the run) and the loop."""
@@ -92,7 +126,7 @@ class RunState:
             return
         self._closed = True
         try:
-            self.wait(self.client.close(), CLOSE_TIMEOUT_S)
+            self._wait(self.client.close(), CLOSE_TIMEOUT_S)
         finally:
             self._stop_loop()
 
