@@ -73,6 +73,8 @@ class EngineConfig:
                                    "answered (scheduler.py: keeps one-pass-per-token programs in one batch)",
                                    default=True)
     max_programs: int = _doc("eta programs (traced epilogues) one inferlet run may register", default=4096)
+    max_sequences: int = _doc("working sets (sequences) one inferlet run may hold at once, forks included: "
+                              "one without KV pages still costs the engine memory", default=4096)
     channel_memory_mb: int = _doc("engine memory all channels together may reserve", default=256)
 
     def __post_init__(self) -> None:
@@ -88,7 +90,8 @@ class EngineConfig:
         if self.compile not in ("auto", "on", "off"):
             raise ConfigError(f'engine.compile must be "auto", "on" or "off", got {self.compile!r}')
         _check_min(self, "engine", page_size=1, kv_memory_mb=1, num_pages=0, max_batch_tokens=1, tp=1,
-                   num_threads=0, max_programs=1, channel_memory_mb=1, compile_max_batch=1)
+                   num_threads=0, max_programs=1, max_sequences=1, channel_memory_mb=1,
+                   compile_max_batch=1)
         if not self.model:
             raise ConfigError("engine.model must name a model")
 

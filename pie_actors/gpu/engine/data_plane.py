@@ -260,13 +260,22 @@ class _Connection:
     def _op_idle(self, msg: dict[str, Any]) -> None:
         self.engine.idle(self.id)
 
+    def _room_for_a_sequence(self) -> None:
+        limit = self.engine.config.max_sequences
+        if len(self.owned) >= limit:
+            raise BadRequest(f"a connection may hold at most {limit} sequences (working sets) at once; "
+                             "free some first")
+
     def _op_create(self, msg: dict[str, Any]) -> int:
+        self._room_for_a_sequence()
         seq = self.engine.create_sequence()
         self.owned.add(seq)
         return seq
 
     def _op_fork(self, msg: dict[str, Any]) -> int:
-        child = self.engine.fork(self._own(msg["seq"]))
+        parent = self._own(msg["seq"])
+        self._room_for_a_sequence()
+        child = self.engine.fork(parent)
         self.owned.add(child)
         return child
 

@@ -123,9 +123,14 @@ def tensor(fmt: str, shape: tuple[int, ...] | list[int], data: bytes) -> msgpack
 def _ext_hook(code: int, payload: bytes) -> Any:
     if code != TENSOR_EXT:
         return msgpack.ExtType(code, payload)
-    fmt, ndim = struct.unpack_from("<cB", payload)
-    shape = struct.unpack_from(f"<{ndim}I", payload, 2)
-    return memoryview(payload)[2 + 4 * ndim:].cast(fmt.decode(), shape)
+    try:
+        fmt, ndim = struct.unpack_from("<cB", payload)
+        shape = struct.unpack_from(f"<{ndim}I", payload, 2)
+        return memoryview(payload)[2 + 4 * ndim:].cast(fmt.decode(), shape)
+    except (struct.error, ValueError, TypeError):
+        # left as it came, a value no field accepts: the request it is in fails by its own id
+        # (had the frame failed whole, the error could not name the call it answers)
+        return msgpack.ExtType(code, payload)
 
 
 def pack(message: dict[str, Any]) -> bytes:
