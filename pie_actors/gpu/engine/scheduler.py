@@ -1,11 +1,19 @@
 """The scheduler: which pending passes run together, and where their rows go in the KV store.
 
-Continuous batching: each batch takes whatever passes are pending, FIFO, up to a token budget, with
-one lane per sequence per batch so that a pipeline's passes stay in order. Planning a pass writes
+Continuous batching: each batch takes whatever passes are pending up to a token budget, with one
+lane per sequence per batch so that a pipeline's passes stay in order. Planning a pass writes
 its rows into the page tables (`KVStore.append` / `slots_for`), so a pass that cannot run (a bad
 token id, no pages left, a position past the context) is rejected here and rolled back, alone.
 Repeating passes (run-ahead decoding) go back into the queue after each run until their client's
 acknowledged reads hold them back, or they are stopped.
+
+Fairness. Pending passes are queued per program (a pass's `owner`), each queue in submission order,
+and a batch takes them round-robin: one pass of each program in turn, the program that goes first
+rotating from batch to batch. So a program with thousands of passes pending holds another back by
+one pass of its own per round, not by all of them: with two programs, a pass waits at most one
+batch for room (`PassRequest.waited` counts the batches it waited). A batch holds at most
+`max_batch_tokens` rows, so no more of a program's passes than that are looked at per batch: a
+flood of passes costs each batch a bounded amount of planning, not the length of the flood.
 
 Waiting for programs that are coming (`Arrivals`). A program that submits one pass per token
 gets its answer at the end of a step and submits its next pass one host round trip later. If the
@@ -32,7 +40,7 @@ from __future__ import annotations
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -116,6 +124,7 @@ class PassRequest:
     repeat: Repeat | None = None
     adapters: list[tuple[str, int | None, AdapterFn]] = field(default_factory=list)   # (site, layer, f)
     owner: int | None = None              # the program (data-plane connection) that submitted it
+    waited: int = 0                       # batches that looked at it and ran without it
 
 
 @dataclass
@@ -230,25 +239,29 @@ class Scheduler:
         self.kv, self.channels, self.cfg = kv, channels, cfg
         self.max_batch_tokens = max_batch_tokens
         self.tensor_parallel = tensor_parallel
-        self.pending: deque[PassRequest] = deque()
+        self.pending: dict[int | None, deque[PassRequest]] = {}   # owner -> its pending passes, in order
         self.copies: list[tuple[int, int]] = []      # (src, dst) pages to copy before the next batch
         self.arrivals = Arrivals(wait_for_programs)
+        self._turn = 0                               # rotates the program that goes first in a batch
 
     def has_work(self) -> bool:
         return bool(self.pending or self.copies)
 
     def add(self, request: PassRequest, now: float) -> None:
-        self.pending.append(request)
+        self._queue(request)
         self.arrivals.arrived(request.owner, now)
+
+    def _queue(self, request: PassRequest) -> None:
+        self.pending.setdefault(request.owner, deque()).append(request)
 
     def wait_left(self, now: float) -> float:
         """Seconds the next batch should wait for programs that are coming (`Arrivals`)."""
-        return self.arrivals.wait_left(now, (r.owner for r in self.pending))
+        return self.arrivals.wait_left(now, self.pending)
 
     def served(self, planned: list[Planned], now: float, step_s: float) -> None:
         """A batch of `planned` passes ran and was answered at `now`, in `step_s` seconds."""
         self.arrivals.served([p.request.owner for p in planned if p.request.repeat is None],
-                             {r.owner for r in self.pending}, now, step_s)
+                             set(self.pending), now, step_s)
 
     def schedule(self) -> tuple[list[Planned], BatchPlan, int]:
         """The next batch: its planned passes, the plan the workers run, and how many passes were
@@ -257,9 +270,15 @@ class Scheduler:
         self.copies = []
         planned: list[Planned] = []
         busy: set[int] = set()
-        handled, waiting = 0, deque()
-        while self.pending:
-            req = self.pending.popleft()
+        handled = 0
+        queues, self.pending = self.pending, {}
+        owners = list(queues)
+        if owners:
+            first = self._turn % len(owners)
+            self._turn += 1
+            owners = owners[first:] + owners[:first]
+        waiting: dict[int | None, deque[PassRequest]] = {owner: deque() for owner in queues}
+        for req in _round_robin([queues[owner] for owner in owners], self.max_batch_tokens):
             seqs = [lane.seq for lane in req.lanes]
             n_tokens = sum(len(lane.tokens) for lane in req.lanes)
             # A pass with adapters runs in a batch of its own: its adapter code runs inside the
@@ -267,7 +286,8 @@ class Scheduler:
             full = len(plan.input_ids) + n_tokens > self.max_batch_tokens
             alone = bool(req.adapters or plan.adapters)
             if busy.intersection(seqs) or (planned and (alone or full)):
-                waiting.append(req)        # next batch: keeps each sequence's passes in order
+                waiting[req.owner].append(req)     # next batch: keeps each sequence's passes in order
+                req.waited += 1
                 busy.update(seqs)
                 continue
             handled += 1
@@ -276,7 +296,11 @@ class Scheduler:
                 busy.update(seqs)
             except PASS_ERRORS as e:
                 self.fail(req, e)
-        self.pending = waiting
+        for owner in queues:                       # the passes not looked at follow the deferred ones
+            rest = waiting[owner]
+            rest.extend(queues[owner])
+            if rest:
+                self.pending[owner] = rest
         return planned, plan, handled
 
     def fail(self, req: PassRequest, error: Exception) -> None:
@@ -391,7 +415,7 @@ class Scheduler:
         if r.stopped or r.runs >= r.budget:
             self._end_repeat(req)
         elif r.runs - r.acked < r.window:
-            self.pending.append(req)
+            self._queue(req)
         else:
             r.parked = True
 
@@ -405,7 +429,7 @@ class Scheduler:
         r.first = r.acked
         if r.parked and r.runs - r.acked < r.window:
             r.parked = False
-            self.pending.append(req)
+            self._queue(req)
             return True
         return False
 
@@ -416,9 +440,12 @@ class Scheduler:
         if r.stopped or req.future.done():
             return
         r.stopped, r.keep = True, keep
-        if r.parked or req in self.pending:
-            if req in self.pending:
-                self.pending.remove(req)
+        queue = self.pending.get(req.owner, ())
+        if r.parked or req in queue:
+            if req in queue:
+                queue.remove(req)
+                if not queue:
+                    del self.pending[req.owner]
             self._end_repeat(req)
         # else it is running: repeat_ran ends it
 
@@ -434,3 +461,15 @@ class Scheduler:
                 return
             self.channels.restore(r.channels[kept - r.first])
         req.future.set_result(kept)
+
+
+def _round_robin(queues: list[deque[PassRequest]], per_queue: int) -> Iterator[PassRequest]:
+    """The passes of `queues`, taken off them one of each in turn, at most `per_queue` of each."""
+    for _ in range(per_queue):
+        taken = False
+        for queue in queues:
+            if queue:
+                taken = True
+                yield queue.popleft()
+        if not taken:
+            return
