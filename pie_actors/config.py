@@ -58,7 +58,7 @@ class EngineConfig:
                    "the model's attention heads, KV heads, MLP width and vocabulary", default=1)
     compile: str = _doc('run decode batches through torch.compile: "on", "off", or "auto" (engines that serve '
                         "for long, pie serve's and the cluster's, compile on CUDA and on CPUs with AVX2 or "
-                        "better; one-shot runs only once their graphs are cached). Each batch-size bucket "
+                        "better; one-shot runs on CUDA once their graphs are cached). Each batch-size bucket "
                         "compiles once at start, a minute or more on a CPU; the caches live under "
                         "$PIE_HOME/cache", default="auto")
     compile_max_batch: int = _doc("the largest decode batch (lanes) that runs compiled; larger ones run eager",

@@ -47,12 +47,15 @@ def _compile_key(config: EngineConfig, model_dir: Path, device: torch.device, dt
 
 def _compiles(config: EngineConfig, device: torch.device, long_lived: bool, key: dict) -> bool:
     """compile "on" / "off" as said; "auto": where it pays (CUDA, CPUs with AVX2 or better; not across
-    tensor-parallel ranks), for engines that serve for long, and for others once their compile is
-    cached here (bench/RESULTS.md, "Compiled engine start")."""
+    tensor-parallel ranks), for engines that serve for long, and on CUDA for others too once their
+    compile is cached here. A CPU graph holds oneDNN-packed weights, which inductor's graph cache
+    cannot keep, so a CPU engine's second start compiles again (bench/RESULTS.md, "Compiled engine
+    start"): one-shots there stay eager."""
     if config.compile != "auto":
         return config.compile == "on"
     pays = device.type == "cuda" or torch.backends.cpu.get_cpu_capability().lower() in ("avx2", "avx512")
-    return pays and config.tp == 1 and (long_lived or compiled_decode.is_cached(key))
+    cached = device.type == "cuda" and compiled_decode.is_cached(key)
+    return pays and config.tp == 1 and (long_lived or cached)
 
 
 class Engine:
