@@ -23,6 +23,10 @@ class UnknownSequence(KVStoreError):
     """The sequence id was never created or has been freed."""
 
 
+class UnknownSaved(KVStoreError):
+    """No saved working set of that name for that owner."""
+
+
 class InvalidSlot(KVStoreError):
     """A slot or length outside what the sequence allows (frozen, beyond capacity, ...)."""
 

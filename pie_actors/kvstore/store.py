@@ -9,7 +9,7 @@ through the prefix index. A page that anyone may still write always has exactly 
 
 import itertools
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from .pool import InvalidSlot, KVStoreError, OutOfPages, PagePool, UnknownSequence
@@ -55,6 +55,9 @@ class KVStore:
         self._pool = PagePool(num_pages)
         self._seqs: dict[int, _Seq] = {}
         self._ids = itertools.count()
+        # Called with the number of pages an allocation lacks, before it fails: the engine evicts
+        # saved working sets to make room (gpu/engine/saved.py).
+        self.reclaim: Callable[[int], None] | None = None
 
     # -- sequences ------------------------------------------------------------------------------
 
@@ -82,7 +85,7 @@ class KVStore:
         came from the parent, not from the prefix cache."""
         s = self._get(seq)
         full, tail = divmod(s.folded, self.page_size)
-        copy = self._pool.allocate(1 if tail else 0)  # before any incref: OutOfPages changes nothing
+        copy = self._allocate(1 if tail else 0)  # before any incref: OutOfPages changes nothing
         shared = s.pages[:full]
         for page in shared:
             self._pool.incref(page)
@@ -114,6 +117,9 @@ class KVStore:
         need = max(0, self._pages_for(end) - len(s.pages) - len(hits))
         # Revived pages leave the eviction queue, so they cannot also be evicted to pay for `need`.
         available = self._pool.available() - sum(self._pool.is_cached(page) for page, _ in hits)
+        if need > available and self.reclaim is not None:
+            self.reclaim(need - available)
+            available = self._pool.available() - sum(self._pool.is_cached(page) for page, _ in hits)
         if need > available:
             raise OutOfPages(f"sequence {seq}: need {need} new pages, {available} available")
         for page, key in hits:
@@ -150,7 +156,7 @@ class KVStore:
     def reserve(self, seq: int, end: int) -> None:
         """Ensure pages exist for slots [0, end), for explicit geometry writes. Length is unchanged."""
         s = self._get(seq)
-        s.pages += self._pool.allocate(max(0, self._pages_for(end) - len(s.pages)))
+        s.pages += self._allocate(max(0, self._pages_for(end) - len(s.pages)))
 
     def slots_for(
         self, seq: int, local_slots: list[int], tokens: list[int], *, canonical: bool
@@ -224,7 +230,7 @@ class KVStore:
         full, tail = divmod(length, self.page_size)
         copies = []
         if tail and (full < len(s.keys) or self._pool.refcount[s.pages[full]] > 1):
-            (page,) = self._pool.allocate(1)
+            (page,) = self._allocate(1)
             copies.append((s.pages[full], page))
             self._pool.decref(s.pages[full])
             s.pages[full] = page
@@ -233,6 +239,15 @@ class KVStore:
         del s.keys[full:]
         self.truncate(seq, length)
         return copies
+
+    def restore(self, tokens: list[int]) -> int:
+        """A new canonical sequence holding `tokens`, all frozen, whose KV the caller writes into its
+        pages (`kv_pages`) before any pass reads them: a saved working set back from host memory."""
+        pages = self._allocate(self._pages_for(len(tokens)))
+        seq = next(self._ids)
+        self._seqs[seq] = _Seq(pages=pages, tokens=list(tokens), folded=len(tokens))
+        self.commit(seq, None)
+        return seq
 
     def mark(self, seq: int) -> "Mark":
         """The sequence's extent now, for `rollback` if the pass being planned fails."""
@@ -272,6 +287,20 @@ class KVStore:
     def cached_tokens(self, seq: int) -> int:
         return self._get(seq).cached_tokens
 
+    def history(self, seq: int) -> list[int]:
+        """The tokens of the frozen prefix, which a prefill of them recomputes exactly. Only a
+        canonical sequence (positions == slots, causal, no gaps) has one."""
+        s = self._get(seq)
+        tokens = s.tokens[: s.folded]
+        if not s.canonical or None in tokens:
+            raise InvalidSlot(f"sequence {seq} was written with explicit positions, slots or masks: "
+                              "a prefill of its tokens would not recompute it")
+        return tokens
+
+    def available(self) -> int:
+        """Pages an allocation may take now: free ones and evictable cached ones."""
+        return self._pool.available()
+
     def check_page(self, page: int) -> None:
         """Raise KVStoreError if ``page`` is out of range or free."""
         if not 0 <= page < self.num_pages:
@@ -310,6 +339,11 @@ class KVStore:
             return self._seqs[seq]
         except KeyError:
             raise UnknownSequence(f"unknown sequence {seq} (never created or already freed)") from None
+
+    def _allocate(self, n: int) -> list[int]:
+        if n > self._pool.available() and self.reclaim is not None:
+            self.reclaim(n - self._pool.available())
+        return self._pool.allocate(n)
 
     def _pages_for(self, slots: int) -> int:
         return -(-slots // self.page_size)
