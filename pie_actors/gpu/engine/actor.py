@@ -1,6 +1,6 @@
 """The engine in a Ray actor: `EngineActor` wraps `EngineServer` (data_plane.py) and nothing more.
 
-Ray calls only start it and ask for its address and stats; passes go over the data plane's socket.
+Ray calls only start it and ask for its address, stats and saved working sets; passes go over the data plane's socket.
 """
 from __future__ import annotations
 
@@ -32,6 +32,12 @@ class EngineActor:
 
     def stats(self) -> wire.Stats:
         return self.server.stats()
+
+    def saved(self, owner: str | None) -> list[wire.SavedSet]:
+        return self.engine.list_saved(owner)
+
+    def delete_saved(self, name: str, owner: str | None) -> None:
+        self.engine.delete_saved(name, owner)
 
     def close(self) -> None:
         self.server.close()

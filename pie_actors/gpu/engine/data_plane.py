@@ -69,6 +69,18 @@ def _mask(value: Any, *what: str) -> list[list[bool]]:
     return value
 
 
+def _name(value: Any) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= 256:
+        raise BadRequest(f"a saved working set's name is a string of 1 to 256 characters, got {value!r:.40}")
+    return value
+
+
+def _owner(value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise BadRequest(f"owner must be a string or nil, got {value!r:.40}")
+    return value
+
+
 def _optional(check: Callable[..., Any], value: Any, *what: str) -> Any:
     return None if value is None else check(value, *what)
 
@@ -77,6 +89,8 @@ def _optional(check: Callable[..., Any], value: Any, *what: str) -> Any:
 _FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "info": ((), ()), "create": ((), ()), "stats": ((), ()), "idle": ((), ()), "fork": (("seq",), ()),
     "free": (("seq",), ()), "seq_state": (("seq",), ()), "reserve": (("seq", "end"), ()),
+    "save": (("seq", "name", "owner"), ()), "open": (("name", "owner"), ()), "saved": (("owner",), ()),
+    "delete_saved": (("name", "owner"), ()),
     "pass": (("lanes", "epilogue"), ("prologue", "repeat", "adapters")),
     "program": (("ir",), ()),
     "chan_create": (("shape", "dtype"), ("capacity", "values")), "chan_put": (("chan", "value"), ("bits",)),
@@ -135,7 +149,7 @@ class EngineServer:
         kv = self.engine.kv_stats()
         # dict() of a Counter copies in C under the GIL: safe while the engine thread increments it
         programs = self.engine.programs
-        return {"batch_sizes": dict(self.engine.batch_sizes), "kv": kv,
+        return {"batch_sizes": dict(self.engine.batch_sizes), "kv": kv, "saved": self.engine.saved_stats(),
                 "decode_batch_sizes": dict(self.engine.decode_batch_sizes),
                 "tokens_computed": self.engine.tokens_computed,
                 "row_epilogues": dict(self.engine.row_epilogues),
@@ -292,6 +306,23 @@ class _Connection:
         if not 0 <= end <= self.engine.cfg.max_position_embeddings:
             raise BadRequest(f"reserve end {end} outside [0, {self.engine.cfg.max_position_embeddings}]")
         self.engine.reserve(seq, end)
+
+    # ---- saved working sets --------------------------------------------------------------------------
+    def _op_save(self, msg: dict[str, Any]) -> int:
+        return self.engine.save(self._own(msg["seq"]), _name(msg["name"]), _owner(msg["owner"]))
+
+    def _op_open(self, msg: dict[str, Any]) -> object:
+        self._room_for_a_sequence()
+        seq, future = self.engine.open(_name(msg["name"]), _owner(msg["owner"]))
+        self.owned.add(seq)
+        future.add_done_callback(partial(self._pass_done, msg["id"]))
+        return _PENDING
+
+    def _op_saved(self, msg: dict[str, Any]) -> list[wire.SavedSet]:
+        return self.engine.list_saved(_owner(msg["owner"]))
+
+    def _op_delete_saved(self, msg: dict[str, Any]) -> None:
+        self.engine.delete_saved(_name(msg["name"]), _owner(msg["owner"]))
 
     def _op_pass(self, msg: dict[str, Any]) -> object:
         lanes_in = msg["lanes"]

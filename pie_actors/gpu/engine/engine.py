@@ -27,6 +27,7 @@ from ..kernels import compiled_decode
 from ..model.loader import load_checkpoint
 from ..model.tp import Comm, TorchDistComm
 from .channels import ChannelStore
+from .saved import SavedSets
 from .scheduler import Epilogue, Lane, PassRequest, Planned, Scheduler
 from .worker import BatchPlan, Worker, kv_bytes_per_page, start_remote_ranks
 
@@ -79,6 +80,9 @@ class Engine:
         self.scheduler = Scheduler(kv, self.channels, self.cfg, config.max_batch_tokens,
                                    tensor_parallel=bool(remote), wait_for_programs=config.wait_for_programs)
         self._lock = threading.Condition()
+        self._device = threading.Lock()              # held while the workers run a batch
+        self.saved = SavedSets(kv, worker, config.spill_memory_mb << 20, lambda: self.scheduler.copies,
+                               self._device)
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -150,6 +154,43 @@ class Engine:
         with self._lock:
             return self.kv.stats()
 
+    # ---- saved working sets (saved.py) -------------------------------------------------------
+    def save(self, seq: int, name: str, owner: str | None) -> int:
+        """Keep `seq`'s frozen prefix as `owner`'s saved set `name` (replacing one of that name);
+        returns its number of tokens."""
+        with self._lock:
+            tokens, copies = self.saved.save(seq, (owner, name))
+            self.scheduler.copies.extend(copies)
+            return tokens
+
+    def open(self, name: str, owner: str | None) -> tuple[int, Future]:
+        """A new sequence holding `owner`'s saved set `name`, and the future of {"seq", "restored":
+        "kept" | "spilled" | "recomputed", "tokens"}: a recomputed set's comes once the prefill of
+        its history ran (the sequence is the caller's to free, also when that prefill fails)."""
+        with self._lock:
+            seq, how, prefill, copies = self.saved.open((owner, name))
+            self.scheduler.copies.extend(copies)
+            report = {"seq": seq, "restored": how, "tokens": self.kv.length(seq) + len(prefill)}
+        if prefill:
+            return seq, self.submit(PassRequest([Lane(seq, prefill)], epilogue=lambda logits: report))
+        future: Future = Future()
+        future.set_result(report)
+        return seq, future
+
+    def list_saved(self, owner: str | None) -> list[dict]:
+        """`owner`'s saved sets: {"name", "state" (kept, spilled, tokens), "tokens"}, by name."""
+        with self._lock:
+            return self.saved.listing(owner)
+
+    def delete_saved(self, name: str, owner: str | None) -> None:
+        """Forget `owner`'s saved set `name`; its pages and host memory return."""
+        with self._lock:
+            self.saved.delete((owner, name))
+
+    def saved_stats(self) -> dict[str, int]:
+        with self._lock:
+            return self.saved.stats()
+
     # ---- passes ------------------------------------------------------------------------------
     def submit(self, request: PassRequest) -> Future:
         with self._lock:
@@ -187,9 +228,10 @@ class Engine:
             pass
 
     def _broadcast_and_run(self, plan: BatchPlan) -> torch.Tensor:
-        if self._remote:
-            self.worker.comm.broadcast_object(plan)
-        return self.worker.execute(plan)
+        with self._device:
+            if self._remote:
+                self.worker.comm.broadcast_object(plan)
+            return self.worker.execute(plan)
 
     def _execute(self, planned: list[Planned], plan: BatchPlan) -> None:
         started = time.monotonic()

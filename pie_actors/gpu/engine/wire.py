@@ -26,6 +26,11 @@ Requests (op: fields -> result):
     chan_free: chan -> None
     repeat_ack:  pass (the repeating pass's request id), read -> None: `read` runs' outputs were read
     repeat_stop: pass, [keep] -> None: stop repeating, cut the runs after the first `keep`
+    save:      seq, name, owner -> tokens kept (int); seq's frozen prefix becomes owner's saved set
+               `name`, replacing one of that name (gpu/engine/saved.py)
+    open:      name, owner -> Opened; a new sequence holding owner's saved set `name`
+    saved:     owner -> [SavedSet], by name
+    delete_saved: name, owner -> None
     stats:     -> Stats
     idle:      -> None; the connection's program waits on something other than the engine, so the
                next batch does not wait for its next pass (scheduler.py)
@@ -37,8 +42,11 @@ registered eta program (lists / numbers).
 Pushes (server -> client, no id): {"push": "chan", "chan": id, "value": v} for each value put into a
 subscribed channel, or {"push": "chan", "chan": id, "error": message} when a failed pass poisoned it.
 
+`owner` (a string or nil) is the owner of the program the connection serves, as the inferlet host
+that connects knows it from the launch: programs never reach the data plane themselves.
+
 Error types: BadFrame, BadRequest, UnknownSequence (never created, already freed, or another
-connection's), PassError, OutOfPages, InvalidSlot, KVStoreError, EpilogueError; anything else is
+connection's), PassError, OutOfPages, InvalidSlot, KVStoreError, UnknownSaved, EpilogueError; anything else is
 the name of an unexpected engine exception.
 
 Tensors travel as msgpack extension type TENSOR_EXT: dtype char (struct format, e.g. "f"), ndim,
@@ -95,6 +103,19 @@ class SeqState(TypedDict):
     cached_tokens: int
 
 
+class Opened(TypedDict):
+    seq: int
+    restored: str             # "kept" (its pages were in the pool), "spilled" (back from host
+                              # memory) or "recomputed" (its tokens prefilled again)
+    tokens: int
+
+
+class SavedSet(TypedDict):
+    name: str
+    state: str                # "kept", "spilled" or "tokens" (only the history is left)
+    tokens: int
+
+
 class Stats(TypedDict):
     batch_sizes: dict[int, int]   # lanes per batch -> batches run
     decode_batch_sizes: dict[int, int]   # the same, of batches of one row a lane (decode steps)
@@ -103,6 +124,8 @@ class Stats(TypedDict):
     row_epilogues: dict[str, int] # epilogues run once for many passes: calls, passes they served
     step_seconds: dict[str, float]  # executed steps' time by part: plan, model, epilogue, finish; steps
     kv: dict[str, int]            # total, free, referenced, cached pages
+    saved: dict[str, int]         # saved sets by state (kept, spilled, tokens), spill_bytes, and
+                                  # opens by how they restored (opened_kept, _spilled, _recomputed)
     connections: int
     requests: int                 # frames the data plane received, all connections together
     sequences: int                # owned by open connections

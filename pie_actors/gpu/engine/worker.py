@@ -98,14 +98,31 @@ class Worker:
         rows = torch.tensor(plan.readout, dtype=torch.long, device=dev)
         return self.model.logits(hidden.index_select(0, rows))
 
+    def _slots(self, pages: list[int]) -> torch.Tensor:
+        """The global KV slots of `pages`, page by page."""
+        offsets = torch.arange(self.page_size, device=self.device)
+        return (torch.tensor(pages, device=self.device).unsqueeze(1) * self.page_size + offsets).flatten()
+
     def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
-        ps = self.page_size
-        offsets = torch.arange(ps, device=self.device)
-        src = (torch.tensor([s for s, _ in copies], device=self.device).unsqueeze(1) * ps + offsets).flatten()
-        dst = (torch.tensor([d for _, d in copies], device=self.device).unsqueeze(1) * ps + offsets).flatten()
+        src, dst = self._slots([s for s, _ in copies]), self._slots([d for _, d in copies])
         for k, v in self.kv_caches:
             k.index_copy_(1, dst, k.index_select(1, src))
             v.index_copy_(1, dst, v.index_select(1, src))
+
+    @torch.inference_mode()
+    def read_pages(self, pages: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Host-memory copies of the K and V rows of `pages`, a pair per layer (a saved working
+        set spilled out of the page pool)."""
+        slots = self._slots(pages)
+        return [(k.index_select(1, slots).cpu(), v.index_select(1, slots).cpu()) for k, v in self.kv_caches]
+
+    @torch.inference_mode()
+    def write_pages(self, pages: list[int], rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write what `read_pages` returned into `pages` (a spilled working set coming back)."""
+        slots = self._slots(pages)
+        for (k, v), (host_k, host_v) in zip(self.kv_caches, rows):
+            k.index_copy_(1, slots, host_k.to(k.device))
+            v.index_copy_(1, slots, host_v.to(v.device))
 
     def serve(self) -> None:
         """Ranks > 0: run every plan rank 0 broadcasts until it broadcasts None."""
