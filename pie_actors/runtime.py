@@ -23,6 +23,7 @@ from typing import Any
 
 from .config import Config, RunLimits, load
 from .inferlet.host import HostOpError
+from .kvstore import UnknownSaved
 from .process import Done, Failed, Process
 from .program import Program
 
@@ -70,6 +71,16 @@ class Runtime:
         limits = self.config.limits if timeout is None else dataclasses.replace(self.config.limits, timeout_s=timeout)
         return self._backend.launch(Program.load(program), {} if input is None else input, name, owner,
                                     dict(files or {}), limits)
+
+    def saved(self, owner: str | None = None) -> list[dict[str, Any]]:
+        """The working sets `owner`'s processes saved (`ws.save(name)`): {"name", "state" ("kept":
+        in the page pool, "spilled": in host memory, "tokens": to be recomputed), "tokens"}, by name."""
+        return self._backend.saved(owner)
+
+    def delete_saved(self, name: str, owner: str | None = None) -> None:
+        """Forget `owner`'s saved working set `name`; its KV pages and host memory return. An
+        unknown name is a KeyError."""
+        self._backend.delete_saved(name, owner)
 
     def stats(self) -> dict[str, Any]:
         """The engine's figures (`batch_sizes`: lanes per executed batch -> batches; `kv`: total,
@@ -124,7 +135,8 @@ class _Local:
                     self.runs.pop(key, None)
             process.emit(event)
 
-        run = Run(program, input, self.address, limits, emit, files=files, send_to=partial(self._send_to, owner))
+        run = Run(program, input, self.address, limits, emit, files=files, send_to=partial(self._send_to, owner),
+                  owner=owner)
         process = Process(name, run)
         with self._lock:
             self.runs[key] = run
@@ -138,6 +150,15 @@ class _Local:
         if run is None:
             raise HostOpError(f"no running inferlet named {name!r} (running: {running})")
         run.deliver(message)
+
+    def saved(self, owner: str | None) -> list[dict[str, Any]]:
+        return self.engine.list_saved(owner)
+
+    def delete_saved(self, name: str, owner: str | None) -> None:
+        try:
+            self.engine.delete_saved(name, owner)
+        except UnknownSaved as e:
+            raise KeyError(str(e)) from None
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -213,6 +234,21 @@ class _Cluster:
                                   controller=self.controller)
         asyncio.run_coroutine_threadsafe(_pump(stream, process), self.loop)
         return process
+
+    def saved(self, owner: str | None) -> list[dict[str, Any]]:
+        import ray
+
+        return ray.get(self.engine_actor.saved.remote(owner))
+
+    def delete_saved(self, name: str, owner: str | None) -> None:
+        import ray
+
+        try:
+            ray.get(self.engine_actor.delete_saved.remote(name, owner))
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, UnknownSaved):
+                raise KeyError(str(e.cause)) from None
+            raise
 
     def stats(self) -> dict[str, Any]:
         import ray

@@ -48,7 +48,8 @@ class InferletActor:
         the Controller at the end."""
         events: queue.Queue[Event] = queue.Queue()
         send_to = None if controller is None else partial(_send_to, controller, process[0])
-        run = Run(program, input, engine_address, limits, events.put, files=files, send_to=send_to)
+        run = Run(program, input, engine_address, limits, events.put, files=files, send_to=send_to,
+                  owner=None if process is None else process[0])
         with self._lock:
             self._process, self._run = process, run
         try:

@@ -105,6 +105,20 @@ class EngineClient:
         """Pages for `seq`'s local slots [0, end), for passes with explicit slots."""
         await self.call("reserve", seq=seq, end=end)
 
+    async def save(self, seq: int, name: str, owner: str | None) -> int:
+        """Keep `seq`'s frozen prefix as `owner`'s saved set `name`; returns its number of tokens."""
+        return await self.call("save", seq=seq, name=name, owner=owner)
+
+    async def open(self, name: str, owner: str | None) -> wire.Opened:
+        """A new sequence (owned by this connection) holding `owner`'s saved set `name`."""
+        return await self.call("open", name=name, owner=owner)
+
+    async def saved(self, owner: str | None) -> list[wire.SavedSet]:
+        return await self.call("saved", owner=owner)
+
+    async def delete_saved(self, name: str, owner: str | None) -> None:
+        await self.call("delete_saved", name=name, owner=owner)
+
     async def forward(self, lanes: list[wire.LaneSpec], epilogue: dict[str, Any] = wire.ARGMAX) -> Any:
         """Run one forward pass; returns its epilogue's output ("argmax": one token per readout row;
         "logits": a float32 memoryview of shape [readout rows, vocab])."""

@@ -3,7 +3,9 @@
 It receives the run's `RunState`: the engine connection (`client`, on the loop thread `loop`),
 `wait` for blocking calls, and `futures` / `complete` for the guest's asynchronous results.
 
-- Working-set handles are the run's own small integers, mapped to engine sequences.
+- Working-set handles are the run's own small integers, mapped to engine sequences. Saved working
+  sets (`ws.save`, `ws.open`) are named in the scope of the run's `owner`, which the guest cannot
+  choose.
 - Epilogues and prologues are eta programs: the guest's traced IR is registered with the engine
   (compiled once per engine by IR hash) and named by the engine's program id.
 - Channel handles are the engine's channel ids. A channel the guest reads with `take_scalar` is
@@ -48,8 +50,8 @@ def _scalar(value: Any) -> Any:
 
 
 class EtaOps:
-    def __init__(self, run: RunState) -> None:
-        self.run = run
+    def __init__(self, run: RunState, owner: str | None = None) -> None:
+        self.run, self.owner = run, owner
         self._ws: dict[int, int] = {}                     # working-set handle -> engine sequence
         self._ws_ids = itertools.count(1)
         self._busy: Counter[int] = Counter()              # working-set handle -> passes not finished
@@ -67,7 +69,8 @@ class EtaOps:
     def ops(self) -> dict[str, Callable[[Any], Any]]:
         return {
             "ws.create": self.ws_create, "ws.fork": self.ws_fork, "ws.state": self.ws_state,
-            "ws.reserve": self.ws_reserve, "ws.free": self.ws_free,
+            "ws.reserve": self.ws_reserve, "ws.free": self.ws_free, "ws.save": self.ws_save,
+            "ws.open": self.ws_open, "ws.saved": self.ws_saved, "ws.delete_saved": self.ws_delete_saved,
             "eta.program": self.program, "eta.submit": self.submit, "eta.run_ahead": self.run_ahead,
             "eta.run_ahead_ack": self.run_ahead_ack, "eta.run_ahead_stop": self.run_ahead_stop,
             "chan.create": self.chan_create, "chan.put": self.chan_put, "chan.put_bits": self.chan_put_bits,
@@ -92,13 +95,34 @@ class EtaOps:
 
     def ws_fork(self, handle: Any) -> int:
         """A child sharing the prefix the parent has once its passes submitted so far have run."""
+        return self._new_ws(self.run.wait(self.run.client.fork(self._settled(handle, "fork"))))
+
+    def _settled(self, handle: Any, what: str) -> int:
+        """The working set's sequence, once the passes submitted on it so far have run."""
         seq = self._seq(handle)
         self.run.flush()                          # the passes to wait for go out first
         with self._busy_cond:
             if not self._busy_cond.wait_for(lambda: not self._busy[handle], self.run.time_left(FORK_WAIT_S)):
                 self.run.time_left(FORK_WAIT_S)      # the run's deadline passed: its timeout
-                raise HostOpError(f"fork: the working set's passes did not finish in {FORK_WAIT_S:.0f} s")
-        return self._new_ws(self.run.wait(self.run.client.fork(seq)))
+                raise HostOpError(f"{what}: the working set's passes did not finish in {FORK_WAIT_S:.0f} s")
+        return seq
+
+    def ws_save(self, args: Any) -> int:
+        """[handle, name]: keep the working set's frozen prefix, as it is once its passes ran, under
+        `name` beyond this run; returns its number of tokens."""
+        handle, name = args
+        return self.run.wait(self.run.client.save(self._settled(handle, "save"), name, self.owner))
+
+    def ws_open(self, name: Any) -> dict[str, Any]:
+        """A new working set holding the saved set `name`: {"ws", "restored", "tokens"}."""
+        opened = self.run.wait(self.run.client.open(name, self.owner))
+        return {"ws": self._new_ws(opened["seq"]), "restored": opened["restored"], "tokens": opened["tokens"]}
+
+    def ws_saved(self, args: Any) -> list[dict]:
+        return self.run.wait(self.run.client.saved(self.owner))
+
+    def ws_delete_saved(self, name: Any) -> None:
+        self.run.wait(self.run.client.delete_saved(name, self.owner))
 
     def ws_free(self, handles: Any) -> None:
         """The guest dropped these working sets: free each once its passes have run."""

@@ -50,16 +50,17 @@ def op_table(*glues: HostGlue) -> dict[str, HostOp]:
 
 
 class InferletHost(HostApi):
-    """Host operations of one inferlet run, connected to the engine at `engine_address`."""
+    """Host operations of one inferlet run, connected to the engine at `engine_address`, for a
+    process of `owner` (the scope of its saved working sets)."""
 
     def __init__(self, engine_address: tuple[str, int], *, limits: RunLimits, emit: Callable[[Event], None],
                  files: dict[str, bytes] | None = None,
-                 send_to: Callable[[str, Any], None] | None = None) -> None:
+                 send_to: Callable[[str, Any], None] | None = None, owner: str | None = None) -> None:
         super().__init__()
         self.state = RunState(engine_address, futures=self.futures, limits=limits, emit=emit)
         try:
             self.session = SessionOps(self.state, files, send_to)
-            self.eta = EtaOps(self.state)
+            self.eta = EtaOps(self.state, owner)
             handles = HandleTable()     # one table: tools.grammar makes grammars for grammar.matcher
             self._ops = op_table(
                 ModelOps(self.state), ChatOps(self.state), GrammarOps(self.state, handles),

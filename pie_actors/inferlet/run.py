@@ -55,14 +55,16 @@ def _unpack(files: dict[str, str], key: str):
 
 class Run:
     """One run of `program` on `input` against the engine at `engine_address`; everything it
-    streams, and how it ends, goes to `emit`. `deliver`, `deliver_file` and `cancel` may be called
+    streams, and how it ends, goes to `emit`. `owner`: whose process it is (the scope of the working
+    sets it saves and opens). `deliver`, `deliver_file` and `cancel` may be called
     from any thread at any time: what arrives before the run's host exists waits for it."""
 
     def __init__(self, program: Program, input: Any, engine_address: tuple[str, int], limits: RunLimits,
                  emit: Callable[[Event], None], *, files: dict[str, bytes] | None = None,
-                 send_to: Callable[[str, Any], None] | None = None) -> None:
+                 send_to: Callable[[str, Any], None] | None = None, owner: str | None = None) -> None:
         self.program, self.input, self.engine_address = program, input, tuple(engine_address)
         self.limits, self.emit, self.files, self.send_to = limits, emit, files, send_to
+        self.owner = owner
         self._lock = threading.Lock()
         self._host: InferletHost | None = None
         self._early: list[tuple[str, Any]] = []       # ("message" | "file", payload) before the host exists
@@ -87,7 +89,7 @@ class Run:
         sandbox = sandbox_for(self.program)
         try:
             host = InferletHost(self.engine_address, limits=self.limits, emit=self.emit, files=self.files,
-                                send_to=self.send_to)
+                                send_to=self.send_to, owner=self.owner)
         except (OSError, HostOpError, TimeoutError) as e:
             raise InferletError("trap", f"cannot reach the engine at {self.engine_address}: "
                                         f"{type(e).__name__}: {e}") from None

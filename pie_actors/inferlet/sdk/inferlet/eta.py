@@ -48,10 +48,16 @@ def _free_dropped() -> None:
 class WorkingSet:
     """One sequence's state inside the model (KV cache, recurrent state). The host side is
     made on first use, so creating one costs nothing until a pass references it. When the
-    program drops it, its pages return (once the passes already submitted on it have run)."""
+    program drops it, its pages return (once the passes already submitted on it have run).
+
+    `save(name)` keeps its frozen prefix beyond the program's end, and `WorkingSet.open(name)`
+    brings it back in a later run of the same owner; `restored` then says how: "kept" (its pages
+    were still in the engine), "spilled" (copied back from host memory) or "recomputed" (its
+    tokens were prefilled again). The tokens that follow are the same in every case."""
 
     def __init__(self) -> None:
         self._handle: int | None = None
+        self.restored: str | None = None      # how `open` brought it back; None: made here
 
     def __del__(self) -> None:
         if self._handle is not None:
@@ -81,6 +87,32 @@ class WorkingSet:
     def reserve(self, end: int) -> None:
         """Writable slots [0, end) for passes that choose their slots explicitly."""
         _host.call("ws.reserve", [self._h(), int(end)])
+
+    def save(self, name: str) -> int:
+        """Keep the frozen prefix (as it is once the passes submitted so far have run) under
+        `name`, replacing what this owner saved under it; returns its number of tokens. Only
+        working sets written by folding passes can be saved (their tokens recompute them)."""
+        return _host.call("ws.save", [self._h(), str(name)])
+
+    @classmethod
+    def open(cls, name: str) -> "WorkingSet":
+        """A new working set holding what this owner saved under `name` (it stays saved)."""
+        _free_dropped()
+        opened = _host.call("ws.open", str(name))
+        ws = cls()
+        ws._handle, ws.restored = opened["ws"], opened["restored"]
+        return ws
+
+    @staticmethod
+    def saved() -> list:
+        """This owner's saved working sets: {"name", "state" ("kept", "spilled", "tokens"),
+        "tokens"}, by name."""
+        return _host.call("ws.saved")
+
+    @staticmethod
+    def delete_saved(name: str) -> None:
+        """Forget the saved working set `name`; its pages return."""
+        _host.call("ws.delete_saved", str(name))
 
 
 class StateGeometry:
