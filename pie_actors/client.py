@@ -156,6 +156,14 @@ class Client:
         """This key's processes: {"process", "name", "state", "attached", "buffered", "age_s"}."""
         return self._request({"type": "ps"})["processes"]
 
+    def saved(self) -> list[dict[str, Any]]:
+        """The working sets this key's processes saved (`ws.save`): {"name", "state", "tokens"}."""
+        return self._request({"type": "saved"})["saved"]
+
+    def delete_saved(self, name: str) -> None:
+        """Forget this key's saved working set `name` (RequestError "not_found": there is none)."""
+        self._request({"type": "delete_saved", "name": name})
+
     def send(self, process_id: str, message: Any) -> None:
         """A message (text or a JSON value) for the process's `session.receive()`."""
         self._request({"type": "send", "process": process_id, "message": message})

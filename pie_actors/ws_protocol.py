@@ -26,6 +26,9 @@ Requests (client -> server). Each may carry an "id" (any scalar), repeated in it
                                                                    {"process", "name", "state", "attached",
                                                                     "buffered", "age_s"}, ...]}
     {"type": "wait", "process": ID}                            -> its "done" or "failed" frame, once it ends
+    {"type": "saved"}                                          -> {"type": "saved", "saved": [{"name", "state",
+                                                                   "tokens"}, ...]}   (the key's ws.save sets)
+    {"type": "delete_saved", "name": N}                        -> {"type": "ok"}   (its pages return)
 
 P is {"source": TEXT} (a .py file) or {"bundle": {RELATIVE PATH: TEXT}} (a folder's .py files, main.py
 among them); H is `program_hash(P)`: the server keeps a key's recent uploads by hash, so a client

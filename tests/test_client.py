@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pie_actors import Done, InferletError, Send
-from pie_actors.client import Client, Detached
+from pie_actors.client import Client, Detached, RequestError
 from pie_actors.inferlet.chat_ops import chat_tokens
 from serve_helpers import KEY, chat_prompt, idle, start
 
@@ -101,3 +101,28 @@ def test_files_travel_both_ways_and_failures_raise_as_from_the_launch_api(server
         client.send(waiting.id, {"n": 1})
         assert client.wait(waiting.id, timeout=120) == {"got": {"n": 1}}
         assert client.ps() == []
+
+
+SAVER = """
+from inferlet import model
+from inferlet.eta import ForwardPass, Pipeline, WorkingSet
+
+async def main(input):
+    ws, fwd = WorkingSet(), ForwardPass()
+    fwd.embed(model.encode("A conversation worth keeping"))
+    fwd.state([ws])
+    Pipeline().submit(fwd)
+    return {"saved": ws.save("kept")}
+"""
+
+
+def test_saved_working_sets_are_listed_and_deleted_under_their_key(server):
+    with Client(server.url, KEY) as client:
+        tokens = client.wait(client.submit(SAVER).id, timeout=120)["saved"]
+        assert client.saved() == [{"name": "kept", "state": "kept", "tokens": tokens}]
+        assert server.runtime.saved(None) == []        # the anonymous scope does not see it
+        client.delete_saved("kept")
+        assert client.saved() == []
+        with pytest.raises(RequestError, match="no saved working set"):
+            client.delete_saved("kept")
+    assert idle(server)["kv"]["referenced"] == 0

@@ -56,7 +56,7 @@ class Connection:
         self.requests: dict[str, Callable] = {
             "auth": self.auth, "upload": self.upload, "launch": self.launch, "attach": self.attach,
             "detach": self.detach, "send": self.send, "send_file": self.send_file, "kill": self.kill,
-            "ps": self.ps, "wait": self.wait}
+            "ps": self.ps, "wait": self.wait, "saved": self.saved, "delete_saved": self.delete_saved}
 
     async def serve(self) -> None:
         await self.websocket.accept()
@@ -160,9 +160,7 @@ class Connection:
         timeout = field(frame, "timeout", (int, float), None)
         if timeout is not None and not timeout > 0:
             raise RequestError("bad_frame", f"'launch': 'timeout' must be positive, not {timeout!r}")
-        if self.serving.endpoints is None:
-            raise RequestError("unavailable", self.serving.loading_error or "the engine is still loading")
-        session = await self.sessions.launch(self.serving.runtime, self.owner, program_hash, input, files=files,
+        session = await self.sessions.launch(self._runtime(), self.owner, program_hash, input, files=files,
                                              name=name, timeout=timeout)
         self.put({"type": "launched", "process": session.id, "name": session.process.name}, frame.get("id"))
         if not detach:
@@ -196,6 +194,23 @@ class Connection:
 
     async def ps(self, frame: dict[str, Any]) -> dict[str, Any]:
         return {"type": "processes", "processes": self.sessions.list(self.owner)}
+
+    async def saved(self, frame: dict[str, Any]) -> dict[str, Any]:
+        """The working sets this key's processes saved (`ws.save`)."""
+        return {"type": "saved", "saved": await asyncio.to_thread(self._runtime().saved, self.owner)}
+
+    async def delete_saved(self, frame: dict[str, Any]) -> dict[str, Any]:
+        name = field(frame, "name", str)
+        try:
+            await asyncio.to_thread(self._runtime().delete_saved, name, self.owner)
+        except KeyError:
+            raise RequestError("not_found", f"no saved working set named {name!r}") from None
+        return {"type": "ok"}
+
+    def _runtime(self) -> Any:
+        if self.serving.endpoints is None:
+            raise RequestError("unavailable", self.serving.loading_error or "the engine is still loading")
+        return self.serving.runtime
 
     async def wait(self, frame: dict[str, Any]) -> None:
         """Answered when the process ends; the connection goes on reading meanwhile."""
