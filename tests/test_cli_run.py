@@ -164,3 +164,28 @@ def test_pie_client_submits_to_a_running_server_and_talks_to_its_processes(defau
         assert client("ps").stdout.splitlines()[1:] == []
         refused = client("ps", key="not-a-key")
         assert refused.returncode == 1 and refused.stderr == "pie-client: error: invalid_key: the API key is not valid\n"
+
+
+def test_pie_run_joins_a_kept_cluster_and_its_engine_stays(default_model_dir, tmp_path):
+    """`ray start --head` keeps a cluster up between commands: each `pie run` joins it, and the
+    Controller keeps the model's engine, so the second run starts none."""
+    bin_dir = Path(sys.executable).parent
+    env = dict(os.environ, PIE_HOME=str(default_model_dir.parent.parent), RAY_AUTH_MODE="disabled")
+    env.pop("RAY_ADDRESS", None)
+    prog = tmp_path / "name.py"
+    prog.write_text("from inferlet import model\n\nasync def main(input):\n    return {'model': model.name()}\n")
+    status = ("import json, ray; from pie_actors.controller import NAME, NAMESPACE; ray.init(address='auto'); "
+              "print(json.dumps(ray.get(ray.get_actor(NAME, namespace=NAMESPACE).status.remote())))")
+    subprocess.run([str(bin_dir / "ray"), "start", "--head", "--num-cpus", "2", "--include-dashboard=false"],
+                   check=True, capture_output=True, timeout=120, env=env)
+    try:
+        for _ in range(2):
+            run = subprocess.run([str(bin_dir / "pie"), "run", "--dtype", "float32", "--compile", "off", str(prog)],
+                                 capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+            assert run.returncode == 0, run.stderr[-2000:]
+            assert json.loads(run.stdout.strip().splitlines()[-1]) == {"model": "smollm2-135m-instruct"}
+        after = json.loads(subprocess.run([sys.executable, "-c", status], capture_output=True, text=True,
+                                          timeout=120, env=env, check=True).stdout.strip().splitlines()[-1])
+        assert list(after["engines"]) == ["smollm2-135m-instruct"] and after["launches"] == 2
+    finally:
+        subprocess.run([str(bin_dir / "ray"), "stop", "--force"], capture_output=True, timeout=120, env=env)
