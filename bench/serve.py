@@ -2,24 +2,27 @@
 same weights, and the engine's own batched decode, in one run.
 
     python bench/serve.py [--concurrency 1,4,16,32] [--tokens 64] [--systems serve,llamacpp,engine]
-                          [--dtype bfloat16] [--compile auto] [--quick] [--out bench/RESULTS.md]
+                          [--dtype bfloat16] [--compile auto] [--threads N] [--quick] [--out bench/RESULTS.md]
 
 At each concurrency C, C clients (the async `openai` client, chat.completions with stream=True, in a
 process of their own) send requests back to back, each a short chat of its own, until 2C requests (at
 least 8) have been answered; then the same for the next system. Per system and C: TTFT p50/p99 (from
 sending a request to its first text), TPOT p50 (per request: from its first text to its last, over the
 tokens after the first), output tokens/s (every request's completion tokens over the wall time of the
-level) and requests/s; each row ends with the machine's 1-min load average (other jobs on the two cores
-slow every system, and torch's two OpenMP threads most of all). The systems of one C are measured one
-after the other, so a ratio in one run compares figures taken a minute apart on the same machine.
+level) and requests/s; each row ends with the machine's 1-min load average. Other jobs on the cores
+slow every system, and threads that wait on each other at every op most of all: at a load of 4 on 2
+cores the eager engine decoded a token in 1.4 s with 2 threads and in 47 ms with 1, so on a busy
+machine `--threads 1` measures the systems rather than the scheduler. The systems of one C are
+measured one after the other, so a ratio in one run compares figures taken minutes apart at most.
 
   serve     `pie serve` (`pie_actors.serve.Server`; compile "auto", its default, is compiled decode on
             CPUs with AVX2 or better: a first start on a machine compiles a graph per batch bucket up
             to the largest C, minutes each on 2 cores, and later starts reuse inductor's caches;
             `--compile off` starts in seconds, on the eager engine)
   llamacpp  llama-cpp-python's server (`python -m llama_cpp.server`) on an F16 GGUF of the same
-            weights (gguf_variants.py), 2 threads. It runs one request at a time; it starts with
-            `--interrupt_requests False` so that a new request waits instead of cutting the running one
+            weights (gguf_variants.py), as many threads as the engine. It runs one request at a
+            time; it starts with `--interrupt_requests False` so that a new request waits instead of
+            cutting the running one
   engine    `engine.generate` of the same prompts on the served engine, C at a time, greedy: the
             batched decode with no HTTP, no sandbox and no program in between
 
@@ -65,7 +68,6 @@ from report import add_output_options, publish
 
 SYSTEMS = ("serve", "llamacpp", "engine")
 MODEL = "smollm2-135m-instruct"
-THREADS = 2
 LLAMA_CPP_START_S = 120.0
 SERVE_START_S = 3600.0     # a first compiled start compiles six decode buckets: 20 min on 2 busy cores
 
@@ -148,7 +150,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def llama_cpp_server(gguf: Path) -> Iterator[str]:
+def llama_cpp_server(gguf: Path, threads: int) -> Iterator[str]:
     """llama-cpp-python's server on `gguf` in a child process, queueing requests; yields its URL."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -156,7 +158,7 @@ def llama_cpp_server(gguf: Path) -> Iterator[str]:
     log = open(OUT_DIR / "llama_cpp_server.log", "w")
     process = subprocess.Popen(
         [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
-         "--port", str(port), "--n_threads", str(THREADS), "--n_threads_batch", str(THREADS),
+         "--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads),
          "--n_ctx", "2048", "--interrupt_requests", "False", "--verbose", "False"],
         stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -319,7 +321,7 @@ class Systems:
         return reply.usage.prompt_tokens, reply.usage.completion_tokens
 
     def close(self) -> None:
-        self.clients.shutdown()
+        self.clients.shutdown(wait=False, cancel_futures=True)   # a stream in flight ends with its server
 
 
 def main() -> None:
@@ -330,6 +332,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", help="the engine's dtype (llama.cpp runs F16)")
     ap.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
                     help="the engine's compiled decode (pie serve's default: auto, on for this CPU when it has AVX2)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="CPU threads of the engine and of llama.cpp (default: every core)")
     ap.add_argument("--quick", action="store_true", help="32 tokens, C requests a level (at least 4): a smoke run")
     add_output_options(ap, "pie serve under load")
     args = ap.parse_args()
@@ -353,11 +357,13 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         started = time.perf_counter()
         # compile only the decode buckets this run can fill (each takes minutes to compile on 2 cores)
-        server = Server(MODEL, port=0, dtype=args.dtype, compile=args.compile, compile_max_batch=max(levels))
+        server = Server(MODEL, port=0, dtype=args.dtype, compile=args.compile, compile_max_batch=max(levels),
+                        num_threads=args.threads)
         stack.callback(server.close)
         server.start().wait_ready(SERVE_START_S)
         print(f"pie serve ready in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-        llama_url = stack.enter_context(llama_cpp_server(variant("F16"))) if "llamacpp" in measured else None
+        llama_url = (stack.enter_context(llama_cpp_server(variant("F16"), args.threads))
+                     if "llamacpp" in measured else None)
         bench = Systems(server, llama_url, max_tokens)
         stack.callback(bench.close)
         dtype = str(bench.engine.worker.dtype).removeprefix("torch.")
@@ -384,7 +390,7 @@ def main() -> None:
 
     llama = f", llama-cpp-python {metadata.version('llama-cpp-python')} F16 GGUF" if llama_url else ""
     counted = "; ".join(f"{s} {p}+{n}" for s, (p, n) in usage.items())
-    env = (f"SmolLM2-135M-Instruct, {THREADS} threads; pie serve and engine.generate {dtype}, {compiled}{llama}; "
+    env = (f"SmolLM2-135M-Instruct, {args.threads} thread{'s' if args.threads > 1 else ''}; pie serve and engine.generate {dtype}, {compiled}{llama}; "
            f"{max_tokens} completion tokens a request, greedy; requests a level: "
            f"{', '.join(f'{requests(c)} at C={c}' for c in levels)}; one unstreamed reply's usage "
            f"(prompt+completion tokens): {counted}; 1-min load average {load_before:.1f} before the "
