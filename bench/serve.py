@@ -17,7 +17,8 @@ measured one after the other, so a ratio in one run compares figures taken minut
 
   serve     `pie serve` (`pie_actors.serve.Server`; compile "auto", its default, is compiled decode on
             CPUs with AVX2 or better: a first start on a machine compiles a graph per batch bucket up
-            to the largest C, minutes each on 2 cores, and later starts reuse inductor's caches;
+            to the largest C, minutes each on 2 cores, and later starts compile again (RESULTS.md,
+            "Compiled engine start");
             `--compile off` starts in seconds, on the eager engine)
   llamacpp  llama-cpp-python's server (`python -m llama_cpp.server`) on an F16 GGUF of the same
             weights (gguf_variants.py), as many threads as the engine. It runs one request at a

@@ -29,9 +29,6 @@ __all__ = ["Server", "served_names", "api_keys"]
 
 log = logging.getLogger("pie.serve")
 
-START_TIMEOUT_S = 600.0
-
-
 def model_name(model: str) -> str:
     """The name the engine gives `model`: a stored model's name, or the folder a path resolves to."""
     return resolve_model(model).name if Path(model).expanduser().exists() else model
@@ -96,8 +93,9 @@ class Server:
             time.sleep(0.01)
         return self
 
-    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
-        """Wait for the engine; raises RuntimeError if it could not be loaded."""
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Wait for the engine (by default as long as it takes: a compiled engine's first start on a
+        CPU compiles for many minutes); raises RuntimeError if it could not be loaded."""
         if not self._loaded.wait(timeout):
             raise TimeoutError(f"the engine did not load within {timeout} s")
         if self.serving.loading_error is not None:
