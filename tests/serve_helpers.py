@@ -24,8 +24,8 @@ WEATHER = {"name": "get_weather", "description": "The current weather of a city.
 def start(model_dir, **settings) -> Server:
     """A Server on the default model in float32 (the references' dtype), eager (its compiled decode
     is tested in test_compiled_decode), not yet entered."""
-    return Server(str(model_dir), port=0, dtype="float32", num_pages=256, timeout_s=120, compile="off",
-                  **settings)
+    return Server(str(model_dir), port=0, **{"dtype": "float32", "num_pages": 256, "timeout_s": 120, "compile": "off",
+                                             **settings})
 
 
 def chat_prompt(server: Server, messages: list[dict], **template) -> list[int]:

@@ -59,6 +59,10 @@ def _compiles(config: EngineConfig, device: torch.device, long_lived: bool, key:
     return pays and config.tp == 1 and (long_lived or cached)
 
 
+class InjectedFault(RuntimeError):
+    """The batch `EngineConfig.fail_batch` names failed on purpose (fault-injection tests)."""
+
+
 class Engine:
     def __init__(self, worker: Worker, kv: KVStore, config: EngineConfig, tokenizer: Tokenizer | None = None,
                  remote: list | None = None):
@@ -74,6 +78,7 @@ class Engine:
         # seconds of executed steps by part: "plan" (scheduling, page tables), "model" (the forward
         # on the workers), "epilogue", "finish" (commits, futures); the engine's own cost is plan + finish
         self.step_seconds: Counter[str] = Counter()
+        self.batches_run = 0                         # batches handed to the workers, failed ones included
         self._remote = remote
         self.channels = ChannelStore(worker.device, config.channel_memory_mb << 20)
         self.programs = ProgramCache()               # compiled eta programs, by IR hash
@@ -237,11 +242,16 @@ class Engine:
         started = time.monotonic()
         t0 = time.perf_counter()
         try:
+            self.batches_run += 1
+            if self.batches_run == self.config.fail_batch:
+                raise InjectedFault(f"injected fault: batch {self.batches_run} failed (engine.fail_batch)")
             logits = self._broadcast_and_run(plan)
             if logits.device.type == "cuda":
                 torch.cuda.synchronize(logits.device)    # so that "model" holds the forward's time
         except Exception as e:            # a worker failure fails the whole batch, nothing else
             with self._lock:
+                # forks' tail-page copies go first into the next batch (copying twice is harmless)
+                self.scheduler.copies[:0] = plan.copies
                 for p in planned:
                     self.scheduler.rollback(p.undo)
                     self.scheduler.fail(p.request, e)
