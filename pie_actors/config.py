@@ -160,6 +160,9 @@ class ServeConfig:
     detached_buffer: int = _doc("messages a process launched over the WebSocket may send while no client is "
                                 "attached; one more ends it (the next attach reads the kept ones, then why)",
                                 default=1024)
+    stored_responses: int = _doc("responses POST /v1/responses keeps (store: true) for GET and "
+                                 "previous_response_id, over all keys; past it the oldest go, with their "
+                                 "saved working sets", default=1000)
 
     def __post_init__(self) -> None:
         for name in ("api_keys", "served_model_names"):
@@ -176,7 +179,7 @@ class ServeConfig:
             raise ConfigError(f"serve.port must be a port number, got {self.port!r}")
         if not self.idle_timeout_s > 0:
             raise ConfigError(f"serve.idle_timeout_s must be positive, got {self.idle_timeout_s!r}")
-        _check_min(self, "serve", detached_buffer=0)
+        _check_min(self, "serve", detached_buffer=0, stored_responses=1)
 
 
 @dataclass(frozen=True)

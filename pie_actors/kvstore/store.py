@@ -301,6 +301,17 @@ class KVStore:
         """Pages an allocation may take now: free ones and evictable cached ones."""
         return self._pool.available()
 
+    def cached_prefix(self, tokens: list[int], root: int = ROOT) -> int:
+        """How many leading tokens of ``tokens`` (whole pages) the prefix index holds now, for a
+        sequence of partition ``root`` starting from empty."""
+        ps, parent, n = self.page_size, root, 0
+        while n + ps <= len(tokens):
+            parent = chain_key(parent, tokens[n : n + ps])
+            if self._pool.lookup(parent) is None:
+                break
+            n += ps
+        return n
+
     def check_page(self, page: int) -> None:
         """Raise KVStoreError if ``page`` is out of range or free."""
         if not 0 <= page < self.num_pages:
