@@ -140,6 +140,12 @@ class WorkerActor:
         self.device, self.dtype = torch.device(device), getattr(torch, dtype)
         self.rank, self.init_method = rank, init_method
 
+    def placement_group(self) -> str | None:
+        """The id of the placement group this rank runs in (answered while `serve` runs)."""
+        import ray
+        pg = ray.util.get_current_placement_group()
+        return pg.id.hex() if pg else None
+
     def serve(self) -> None:
         # The process group is joined here, not in __init__, because joining blocks until rank 0 joins too.
         comm = TorchDistComm(self.rank, self.config.tp, self.init_method, self.device)
@@ -149,28 +155,35 @@ class WorkerActor:
 
 def start_remote_ranks(config: EngineConfig, model_dir: str, device: torch.device, dtype: torch.dtype,
                        num_pages: int, init_method: str) -> list:
-    """Start ranks 1..tp-1 as Ray actors in one placement group and set them serving.
+    """Start ranks 1..tp-1 as Ray actors and set them serving. They take bundles 1..tp-1 of the
+    placement group the caller (rank 0, the engine actor) runs in (see `start_engine_actor`); a
+    caller outside one (an Engine built in a driver) gets a group of its own for them.
 
-    Returns the actor handles and their `serve` refs; the caller joins the group as rank 0 next.
+    Returns [the group made here or None, the actor handles, their `serve` refs]; the caller joins
+    the process group as rank 0 next.
     """
     import ray
-    from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    # On CPU the ranks need almost no Ray CPU accounting: 2-core machines fit only 2 whole-CPU actors.
-    bundle = {"GPU": 1} if device.type == "cuda" else {"CPU": 0.01}
-    pg = placement_group([bundle] * (config.tp - 1), strategy="PACK")
-    ray.get(pg.ready(), timeout=60)
+    from ...placement import engine_resources
+
+    resources = engine_resources(config, device.type == "cuda")
+    pg = ray.util.get_current_placement_group()
+    owned = None
+    if pg is None or len(pg.bundle_specs) < config.tp:
+        pg = owned = ray.util.placement_group(resources.bundles[1:], strategy=resources.strategy)
+        ray.get(pg.ready(), timeout=60)
+    first = 0 if owned else 1                    # a group of its own has no bundle for rank 0
     remote = ray.remote(WorkerActor)
     actors, refs = [], []
     for rank in range(1, config.tp):
         actor = remote.options(
-            num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank - 1),
+            **resources.rank_options, max_concurrency=2,    # `placement_group` answers during `serve`
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank - 1 + first),
         ).remote(config, model_dir, str(device), str(dtype).removeprefix("torch."), num_pages, rank, init_method)
         actors.append(actor)
         refs.append(actor.serve.remote())
-    return [pg, actors, refs]
+    return [owned, actors, refs]
 
 
 def _cores() -> int:
