@@ -365,7 +365,8 @@ class Engine:
             self.worker.comm.close()
             for a in actors:
                 ray.kill(a)
-            ray.util.remove_placement_group(pg)
+            if pg is not None:      # an engine actor's group is removed by whoever placed the actor
+                ray.util.remove_placement_group(pg)
             self._remote = None
 
     # ---- convenience -------------------------------------------------------------------------
