@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import EngineConfig
+from .gpu.engine.wire import EngineAddress
 
 NAME, NAMESPACE = "pie_controller", "pie"
 ProcessKey = tuple[str | None, str]      # (owner, name): names are per owner
@@ -36,7 +37,7 @@ class EngineMismatch(ValueError):
 class _Engine:
     config: EngineConfig
     actor: Any
-    address: tuple[str, int]
+    address: EngineAddress            # with the engine's secret, handed to the runtime's actors only
 
 
 class Controller:
@@ -55,11 +56,11 @@ class Controller:
         while len(self.idle) < self.pool_size:
             self.idle.append(cls.remote())      # not awaited: the pool warms up in the background
 
-    def engine(self, config: EngineConfig, long_lived: bool = True) -> tuple[Any, tuple[str, int]]:
-        """The engine of `config.model` (its actor and data-plane address), started in the cluster
-        on first use (`long_lived`: see `Engine.from_config`). Asking with other settings than the
-        running engine's is an EngineMismatch: one engine per model, never reused silently for
-        settings it does not have."""
+    def engine(self, config: EngineConfig, long_lived: bool = True) -> tuple[Any, EngineAddress]:
+        """The engine of `config.model` (its actor, and its data-plane address with the secret),
+        started in the cluster on first use (`long_lived`: see `Engine.from_config`). Asking with
+        other settings than the running engine's is an EngineMismatch: one engine per model, never
+        reused silently for settings it does not have."""
         running = self.engines.get(config.model)
         if running is None:
             from .gpu.engine.actor import start_engine_actor
@@ -127,7 +128,7 @@ class Controller:
 
     def status(self) -> dict[str, Any]:
         now = time.time()
-        return {"engines": {m: list(e.address) for m, e in self.engines.items()},
+        return {"engines": {m: [e.address.host, e.address.port] for m, e in self.engines.items()},   # no secret
                 "processes": [{"owner": o, "name": n, "model": p["model"], "running_s": round(now - p["started"], 3)}
                               for (o, n), p in self.processes.items()],
                 "idle_actors": len(self.idle), "launches": self.launches}

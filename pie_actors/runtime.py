@@ -22,6 +22,7 @@ from functools import partial
 from typing import Any
 
 from .config import Config, RunLimits, load
+from .gpu.engine.wire import EngineAddress
 from .inferlet.host import HostOpError
 from .kvstore import UnknownSaved
 from .process import Done, Failed, Process
@@ -89,8 +90,8 @@ class Runtime:
         return self._backend.stats()
 
     @property
-    def engine_address(self) -> tuple[str, int]:
-        """The engine's data-plane address (for EngineClient connections)."""
+    def engine_address(self) -> EngineAddress:
+        """The engine's data-plane address and secret (for EngineClient connections)."""
         return self._backend.address
 
     @property

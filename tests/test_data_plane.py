@@ -100,7 +100,8 @@ def test_bad_requests_fail_alone(served):
     want = engine.generate([prompt], 4, ignore_eos=True)[0]
 
     async def raw_exchange(frames: list[bytes]) -> list[dict]:
-        reader, writer = await asyncio.open_connection(*server.address)
+        reader, writer = await asyncio.open_connection(*server.address[:2])
+        await EngineClient.handshake(reader, writer, server.secret)
         writer.write(b"".join(frames))
         replies = [wire.unpack(await wire.read_frame(reader)) for _ in frames]
         writer.close()
@@ -189,15 +190,18 @@ def test_closing_a_connection_frees_its_sequences(served):
 
 
 def test_pending_calls_fail_when_the_connection_drops():
-    """An engine that reads two requests, then dies without answering."""
+    """An engine that accepts the connection, reads two requests, then dies without answering."""
     async def engine_that_dies(reader, writer):
+        writer.write(wire.pack({"hello": b"n" * wire.NONCE_BYTES}))
+        await wire.read_frame(reader)
+        writer.write(wire.pack(wire.reply(None, "ready")))
         await wire.read_frame(reader)
         await wire.read_frame(reader)
         writer.close()
 
     async def main():
         server = await asyncio.start_server(engine_that_dies, "127.0.0.1", 0)
-        client = await EngineClient.connect(*server.sockets[0].getsockname()[:2])
+        client = await EngineClient.connect(*server.sockets[0].getsockname()[:2], b"secret")
         outcomes = await asyncio.gather(client.create(), client.info(), return_exceptions=True)
         with pytest.raises(EngineError, match="ConnectionLost: .* closed by the engine"):
             await client.create()
@@ -274,11 +278,11 @@ def test_engine_actor_serves_a_client(ray_local, dummy_home):
     prompt = local.tokenizer.encode(PROMPTS[3])
     want = local.generate([prompt], 5, ignore_eos=True)[0]
 
-    actor, (host, port) = start_engine_actor(load(model=str(folder), num_threads=1, **options).engine,
+    actor, address = start_engine_actor(load(model=str(folder), num_threads=1, **options).engine,
                                              name="test-engine")
 
     async def main():
-        async with await EngineClient.connect(host, port) as client:
+        async with await EngineClient.connect(*address) as client:
             return (await client.info())["model"], await asyncio.gather(*(decode(client, prompt, 5) for _ in range(4)))
 
     name, got = asyncio.run(main())

@@ -38,9 +38,12 @@ def server(default_model_dir):
 class Conn:
     """A blocking connection that sends raw frames and reads replies."""
 
-    def __init__(self, address: tuple[str, int]) -> None:
-        self.sock = socket.create_connection(address, timeout=30)
+    def __init__(self, address: wire.EngineAddress) -> None:
+        self.sock = socket.create_connection(address[:2], timeout=30)
         self.ids = iter(range(1 << 40))
+        nonce = self.read()["hello"]                 # the handshake first (wire.py)
+        self.send_body(msgpack.packb({"auth": wire.proof(address.secret, nonce), "owner": None}))
+        assert self.read() == wire.reply(None, "ready")
 
     def close(self) -> None:
         self.sock.close()

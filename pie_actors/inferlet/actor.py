@@ -18,6 +18,7 @@ from functools import partial
 from typing import Any, Iterator
 
 from ..config import RunLimits
+from ..gpu.engine.wire import EngineAddress
 from ..process import Done, Event, Failed
 from ..program import Program
 from .host import HostOpError
@@ -39,7 +40,7 @@ class InferletActor:
         """For warm pools: returns once the sandbox is loaded."""
         return True
 
-    def run(self, program: Program, input: Any, engine_address: tuple[str, int], limits: RunLimits, *,
+    def run(self, program: Program, input: Any, engine_address: EngineAddress, limits: RunLimits, *,
             files: dict[str, bytes] | None = None, process: Any = None,
             controller: Any = None) -> Iterator[Event]:
         """The events of one run of `program`, ending with its Done or Failed (the actor stays

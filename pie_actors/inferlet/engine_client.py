@@ -48,9 +48,30 @@ class EngineClient:
         self._reader_task = asyncio.get_running_loop().create_task(self._read_loop())
 
     @classmethod
-    async def connect(cls, host: str, port: int) -> EngineClient:
+    async def connect(cls, host: str, port: int, secret: bytes, owner: str | None = None) -> EngineClient:
+        """Connect and prove the engine's `secret` (the handshake in wire.py) for a program of
+        `owner`; `EngineClient.connect(*address)` takes a `wire.EngineAddress`. A refused proof
+        is an EngineError("Unauthorized")."""
         reader, writer = await asyncio.open_connection(host, port)
+        try:
+            await cls.handshake(reader, writer, secret, owner)
+        except BaseException:
+            writer.close()
+            raise
         return cls(reader, writer, (host, port))
+
+    @staticmethod
+    async def handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes,
+                        owner: str | None = None) -> None:
+        """Answer the server's hello with the proof of `secret` and wait for its "ready"."""
+        hello = wire.unpack(await wire.read_frame(reader, wire.MAX_AUTH_FRAME))
+        nonce = hello.get("hello") if isinstance(hello, dict) else None
+        if not isinstance(nonce, bytes):
+            raise EngineError("Unauthorized", "the server did not open with a data-plane hello")
+        writer.write(wire.pack({"auth": wire.proof(secret, nonce), "owner": owner}))
+        answer = wire.unpack(await wire.read_frame(reader, wire.MAX_AUTH_FRAME))
+        if "error" in answer:
+            raise EngineError(answer["error"]["type"], answer["error"]["message"])
 
     async def __aenter__(self) -> EngineClient:
         return self

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol
 
 from ..config import RunLimits
+from ..gpu.engine.wire import EngineAddress
 from ..process import Event, Send
 from .chat_ops import ChatOps
 from .eta_ops import EtaOps
@@ -53,11 +54,11 @@ class InferletHost(HostApi):
     """Host operations of one inferlet run, connected to the engine at `engine_address`, for a
     process of `owner` (the scope of its saved working sets)."""
 
-    def __init__(self, engine_address: tuple[str, int], *, limits: RunLimits, emit: Callable[[Event], None],
+    def __init__(self, engine_address: EngineAddress, *, limits: RunLimits, emit: Callable[[Event], None],
                  files: dict[str, bytes] | None = None,
                  send_to: Callable[[str, Any], None] | None = None, owner: str | None = None) -> None:
         super().__init__()
-        self.state = RunState(engine_address, futures=self.futures, limits=limits, emit=emit)
+        self.state = RunState(engine_address, futures=self.futures, limits=limits, emit=emit, owner=owner)
         try:
             self.session = SessionOps(self.state, files, send_to)
             self.eta = EtaOps(self.state, owner)

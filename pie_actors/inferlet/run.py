@@ -12,6 +12,7 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from ..config import RunLimits
+from ..gpu.engine.wire import EngineAddress
 from ..process import Done, Event, Failed
 from ..program import Program
 from .build import cache_dir
@@ -59,10 +60,10 @@ class Run:
     sets it saves and opens). `deliver`, `deliver_file` and `cancel` may be called
     from any thread at any time: what arrives before the run's host exists waits for it."""
 
-    def __init__(self, program: Program, input: Any, engine_address: tuple[str, int], limits: RunLimits,
+    def __init__(self, program: Program, input: Any, engine_address: EngineAddress, limits: RunLimits,
                  emit: Callable[[Event], None], *, files: dict[str, bytes] | None = None,
                  send_to: Callable[[str, Any], None] | None = None, owner: str | None = None) -> None:
-        self.program, self.input, self.engine_address = program, input, tuple(engine_address)
+        self.program, self.input, self.engine_address = program, input, engine_address
         self.limits, self.emit, self.files, self.send_to = limits, emit, files, send_to
         self.owner = owner
         self._lock = threading.Lock()

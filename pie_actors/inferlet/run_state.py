@@ -50,8 +50,8 @@ def _tokenizer(model_dir: str) -> Tokenizer:
 class RunState:
     """The state of one run that several host interfaces need; `close()` ends its connection."""
 
-    def __init__(self, engine_address: tuple[str, int], *, futures: FutureTable, limits: RunLimits,
-                 emit: Callable[[Event], None]) -> None:
+    def __init__(self, engine_address: wire.EngineAddress, *, futures: FutureTable, limits: RunLimits,
+                 emit: Callable[[Event], None], owner: str | None = None) -> None:
         self.futures, self.limits, self.emit = futures, limits, emit
         self.deadline = time.monotonic() + limits.timeout_s     # the run's, as the sandbox counts it
         self._posted: list[Callable[[], None]] = []    # for the loop thread, not yet handed over
@@ -61,7 +61,8 @@ class RunState:
         self._thread.start()
         self._closed = False
         try:
-            self.client: EngineClient = self._wait(EngineClient.connect(*engine_address), CONNECT_TIMEOUT_S)
+            self.client: EngineClient = self._wait(EngineClient.connect(*engine_address, owner=owner),
+                                                   CONNECT_TIMEOUT_S)
             self.info: wire.Info = self._wait(self.client.info(), CONNECT_TIMEOUT_S)
         except BaseException:
             self._stop_loop()

@@ -1,7 +1,7 @@
 """Paged KV bookkeeping: page pool, page tables, prefix index, fork, LRU eviction (no tensors)."""
 
 from .pool import InvalidSlot, KVStoreError, OutOfPages, UnknownSaved, UnknownSequence
-from .prefix import chain_key
+from .prefix import ROOT, chain_key, partition_root
 from .store import AppendPlan, KVStore, Mark
 
 __all__ = [
@@ -11,7 +11,9 @@ __all__ = [
     "KVStoreError",
     "Mark",
     "OutOfPages",
+    "ROOT",
     "UnknownSaved",
     "UnknownSequence",
     "chain_key",
+    "partition_root",
 ]

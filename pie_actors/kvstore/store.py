@@ -40,6 +40,7 @@ class _Seq:
     cached_tokens: int = 0
     canonical: bool = True
     keys: list[int] = field(default_factory=list)  # chain key of each leading full frozen page
+    root: int = ROOT  # its partition's root: the parent key of its first page (prefix.py)
 
     @property
     def length(self) -> int:
@@ -61,10 +62,10 @@ class KVStore:
 
     # -- sequences ------------------------------------------------------------------------------
 
-    def create(self) -> int:
-        """A new empty sequence id."""
+    def create(self, root: int = ROOT) -> int:
+        """A new empty sequence id, in the prefix partition whose root key is ``root``."""
         seq = next(self._ids)
-        self._seqs[seq] = _Seq()
+        self._seqs[seq] = _Seq(root=root)
         return seq
 
     def free(self, seq: int) -> None:
@@ -96,6 +97,7 @@ class KVStore:
             folded=s.folded,
             canonical=s.canonical,
             keys=list(s.keys),
+            root=s.root,
         )
         return child, [(s.pages[full], copy[0])] if tail else []
 
@@ -141,7 +143,7 @@ class KVStore:
         # boundary with no reserved pages past it, where the attached pages go.
         if not (s.canonical and s.folded == s.length == len(s.pages) * ps):
             return []
-        parent = s.keys[-1] if s.keys else ROOT
+        parent = s.keys[-1] if s.keys else s.root
         hits = []
         # At least one token stays to compute: the caller needs the logits of the last row.
         for i in range((len(tokens) - 1) // ps):
@@ -201,7 +203,7 @@ class KVStore:
                 # later key chains through it, neither can any later page.
                 s.canonical = False
                 break
-            key = chain_key(s.keys[-1] if s.keys else ROOT, page_tokens)
+            key = chain_key(s.keys[-1] if s.keys else s.root, page_tokens)
             self._pool.register(s.pages[i], key)
             s.keys.append(key)
 
@@ -240,12 +242,13 @@ class KVStore:
         self.truncate(seq, length)
         return copies
 
-    def restore(self, tokens: list[int]) -> int:
-        """A new canonical sequence holding `tokens`, all frozen, whose KV the caller writes into its
-        pages (`kv_pages`) before any pass reads them: a saved working set back from host memory."""
+    def restore(self, tokens: list[int], root: int = ROOT) -> int:
+        """A new canonical sequence holding `tokens`, all frozen, in partition ``root``, whose KV the
+        caller writes into its pages (`kv_pages`) before any pass reads them: a saved working set
+        back from host memory."""
         pages = self._allocate(self._pages_for(len(tokens)))
         seq = next(self._ids)
-        self._seqs[seq] = _Seq(pages=pages, tokens=list(tokens), folded=len(tokens))
+        self._seqs[seq] = _Seq(pages=pages, tokens=list(tokens), folded=len(tokens), root=root)
         self.commit(seq, None)
         return seq
 
@@ -286,6 +289,10 @@ class KVStore:
 
     def cached_tokens(self, seq: int) -> int:
         return self._get(seq).cached_tokens
+
+    def root(self, seq: int) -> int:
+        """The root key of its prefix partition."""
+        return self._get(seq).root
 
     def history(self, seq: int) -> list[int]:
         """The tokens of the frozen prefix, which a prefill of them recomputes exactly. Only a

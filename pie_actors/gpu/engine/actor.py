@@ -20,14 +20,16 @@ class EngineActor:
 
     def __init__(self, config: EngineConfig, host: str = "0.0.0.0", port: int = 0, long_lived: bool = True):
         self.config = config
-        self.server, (self.host, self.port) = serve_model(config, host, port, long_lived=long_lived)
+        self.server, (self.host, self.port, _) = serve_model(config, host, port, long_lived=long_lived)
         self.engine = self.server.engine
         if self.host in ("0.0.0.0", "::", ""):
             import ray
             self.host = ray.util.get_node_ip_address()
 
-    def address(self) -> tuple[str, int]:
-        return self.host, self.port
+    def address(self) -> wire.EngineAddress:
+        """Where the data plane listens, with the secret its connections prove: for the runtime's
+        own actors only."""
+        return wire.EngineAddress(self.host, self.port, self.server.secret)
 
     def node(self) -> str:
         """The Ray node this engine runs on."""

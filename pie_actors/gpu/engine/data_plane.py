@@ -4,6 +4,11 @@ Per-pass traffic must not be a Ray method call (~0.8 ms each here; a socket roun
 inferlets reach the engine through this server. Each pass request goes to `Engine.submit`, and its
 future is bridged back to the event loop, so any number of passes can be in flight per connection.
 
+A connection first proves the engine's secret (the handshake in wire.py); one that does not is
+refused, with an error frame and counted in the stats, before any request of it is read. It
+names the owner of the program it serves, and the working sets it creates live in that owner's
+prefix-cache partition, keyed by the secret.
+
 A connection owns the sequences it creates or forks. When it closes, however the inferlet ended
 (returned, raised, trapped, was killed), the server frees every sequence it still owns: that is
 what returns all of an inferlet's KV pages. Bad input fails its request only, never the connection.
@@ -13,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import threading
 from concurrent.futures import Future
 from functools import partial
@@ -20,7 +26,7 @@ from typing import Any, Callable
 
 from . import wire
 from ...config import EngineConfig
-from ...kvstore import KVStoreError, UnknownSequence
+from ...kvstore import KVStoreError, UnknownSequence, partition_root
 from ..model.adapters import parse_site
 from .channels import ChannelError
 from .engine import Engine
@@ -32,6 +38,7 @@ from ..eta import EtaError, Program
 log = logging.getLogger(__name__)
 
 _HIGH_WATER = 1 << 20   # unsent response bytes above which a connection stops reading requests
+HANDSHAKE_TIMEOUT_S = 10.0   # a connection that has not proved the secret by then is refused
 
 
 class BadRequest(ValueError):
@@ -110,10 +117,12 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 
 
 class EngineServer:
-    """Serves a started `Engine` (`engine.start()`) on a TCP port from its own event-loop thread."""
+    """Serves a started `Engine` (`engine.start()`) on a TCP port from its own event-loop thread, to
+    the connections that prove `secret` (made here: 32 random bytes)."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
+        self.secret = secrets.token_bytes(32)
         cfg = engine.cfg
         self.info: wire.Info = {
             "model": engine.model_name, "model_dir": str(engine.model_dir), "architecture": cfg.architecture,
@@ -121,20 +130,21 @@ class EngineServer:
             "vocab_size": cfg.vocab_size, "page_size": engine.kv.page_size,
             "max_position": cfg.max_position_embeddings,
             "eos_ids": list(engine.tokenizer.eos_ids if engine.tokenizer else cfg.eos_token_ids)}
-        self.address: tuple[str, int] | None = None
+        self.address: wire.EngineAddress | None = None
         self.requests = 0                          # frames received, all connections together
+        self.refused = 0                           # connections that failed the handshake
         self._ids = itertools.count(1)             # connection ids: the owners of their passes
         self._connections: set[_Connection] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
-    def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
-        """Listen on host:port (0: any free port) and return the bound (host, port)."""
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> wire.EngineAddress:
+        """Listen on host:port (0: any free port); returns the bound address with the secret."""
         ready: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(host, port, ready), name="engine-server",
                                         daemon=True)
         self._thread.start()
-        self.address = ready.result()
+        self.address = wire.EngineAddress(*ready.result(), self.secret)
         return self.address
 
     def close(self) -> None:
@@ -157,7 +167,7 @@ class EngineServer:
                 "hold": self.engine.scheduler.arrivals.stats(),
                 "programs": {"compiled": programs.misses, "cache_hits": programs.hits},
                 "channels": len(self.engine.channels), "requests": self.requests,
-                "connections": len(self._connections),
+                "connections": len(self._connections), "refused": self.refused,
                 "sequences": sum(len(c.owned) for c in list(self._connections))}
 
     def _run(self, host: str, port: int, ready: Future) -> None:
@@ -178,8 +188,31 @@ class EngineServer:
         loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
         loop.close()
 
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int | None:
+        """The partition root of a connection that proves the secret (wire.py); None, after an
+        Unauthorized error frame, for one that does not."""
+        nonce = secrets.token_bytes(wire.NONCE_BYTES)
+        writer.write(wire.pack({"hello": nonce}))
+        try:
+            body = await asyncio.wait_for(wire.read_frame(reader, wire.MAX_AUTH_FRAME), HANDSHAKE_TIMEOUT_S)
+            answer = wire.unpack(body)
+        except Exception:                       # gone, too slow, too large, not msgpack: no proof
+            answer = None
+        owner = answer.get("owner") if isinstance(answer, dict) else None
+        if not wire.proves(self.secret, nonce, answer) or not (owner is None or isinstance(owner, str)):
+            self.refused += 1
+            writer.write(wire.pack(wire.error(None, "Unauthorized", "the connection did not prove the engine's "
+                                              "secret: the handshake answers the hello with its HMAC")))
+            return None
+        writer.write(wire.pack(wire.reply(None, "ready")))
+        return partition_root(self.secret, owner)
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = _Connection(self, writer)
+        partition = await self._handshake(reader, writer)
+        if partition is None:
+            writer.close()
+            return
+        conn = _Connection(self, writer, partition)
         self._connections.add(conn)
         try:
             while True:
@@ -207,10 +240,12 @@ _PENDING = object()   # a handler's result when the reply comes later (a pass in
 
 
 class _Connection:
-    """One client: dispatches its requests and owns the sequences it created."""
+    """One client: dispatches its requests and owns the sequences it created, which it makes in
+    its owner's prefix-cache `partition` (a root key)."""
 
-    def __init__(self, server: EngineServer, writer: asyncio.StreamWriter):
+    def __init__(self, server: EngineServer, writer: asyncio.StreamWriter, partition: int):
         self.engine = server.engine
+        self.partition = partition
         self.server = server
         self.writer = writer
         self.loop = asyncio.get_running_loop()
@@ -282,7 +317,7 @@ class _Connection:
 
     def _op_create(self, msg: dict[str, Any]) -> int:
         self._room_for_a_sequence()
-        seq = self.engine.create_sequence()
+        seq = self.engine.create_sequence(self.partition)
         self.owned.add(seq)
         return seq
 
@@ -507,9 +542,9 @@ class _Connection:
 
 
 def serve_model(config: EngineConfig, host: str = "127.0.0.1", port: int = 0, *, long_lived: bool = False
-                ) -> tuple[EngineServer, tuple[str, int]]:
+                ) -> tuple[EngineServer, wire.EngineAddress]:
     """Build the engine `config` describes (see `Engine.from_config` for `long_lived`), start its
-    batching loop and serve it. Returns the server and its address; stop with `server.close();
+    batching loop and serve it. Returns the server and its address (with its secret); stop with `server.close();
     server.engine.close()`."""
     server = EngineServer(Engine.from_config(config, long_lived=long_lived).start())
     return server, server.start(host, port)

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from ...config import EngineConfig, load, pick_device, pick_dtype
-from ...kvstore import KVStore
+from ...kvstore import ROOT, KVStore
 from ...model_store import resolve_model
 from ...tokenizer import Tokenizer
 from ..eta import ProgramCache, argmax
@@ -130,9 +130,11 @@ class Engine:
         return cls(worker, KVStore(num_pages, config.page_size), config, tokenizer, remote)
 
     # ---- sequences ---------------------------------------------------------------------------
-    def create_sequence(self) -> int:
+    def create_sequence(self, partition: int = ROOT) -> int:
+        """A new empty working set whose pages match the prefix cache only within `partition`
+        (a root key, `kvstore.partition_root`)."""
         with self._lock:
-            return self.kv.create()
+            return self.kv.create(partition)
 
     def fork(self, seq: int) -> int:
         """A child sharing `seq`'s frozen prefix; a partial tail page is copied before the next batch."""

@@ -36,6 +36,7 @@ Key = tuple[str | None, str]           # (owner, name)
 @dataclass
 class _Saved:
     tokens: list[int]                  # the history: what recomputation prefills
+    root: int                          # its prefix partition (the owner's): where it comes back
     seq: int | None = None             # its KV store sequence, while kept
     rows: list[tuple[torch.Tensor, torch.Tensor]] | None = None   # K, V per layer, while spilled
     nbytes: int = 0                    # of `rows`
@@ -73,7 +74,7 @@ class SavedSets:
             raise
         if key in self._sets:
             self.delete(key)
-        self._sets[key] = _Saved(tokens, seq=child)
+        self._sets[key] = _Saved(tokens, self.kv.root(child), seq=child)
         return len(tokens), copies
 
     def open(self, key: Key) -> tuple[int, str, list[int], list[tuple[int, int]]]:
@@ -89,7 +90,7 @@ class SavedSets:
             if how == "spilled":
                 self._unspill(saved)
             if saved.seq is None:
-                seq, prefill, copies = self.kv.create(), saved.tokens, []
+                seq, prefill, copies = self.kv.create(saved.root), saved.tokens, []
             else:
                 (seq, copies), prefill = self.kv.fork(saved.seq), []
         finally:
@@ -145,7 +146,7 @@ class SavedSets:
         saved.seq = None
 
     def _unspill(self, saved: _Saved) -> None:
-        seq = self.kv.restore(saved.tokens)
+        seq = self.kv.restore(saved.tokens, saved.root)
         with self._device:
             self.worker.write_pages(self.kv.kv_pages(seq), saved.rows)
         saved.seq, saved.rows = seq, None

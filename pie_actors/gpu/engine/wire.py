@@ -1,5 +1,14 @@
 """The engine data plane's wire format: msgpack messages, each framed by a 4-byte big-endian length.
 
+A connection first proves the engine's secret (`EngineAddress.secret`, made when the engine starts
+and handed by the runtime to its own actors only). The server opens with `{"hello": nonce}` (32
+random bytes); the client answers `{"auth": proof(secret, nonce), "owner": str | nil}` (an HMAC
+of the nonce: the secret itself never crosses the socket); the server replies `{"id": nil,
+"result": "ready"}`, or an Unauthorized error frame and closes, before it reads any request.
+`owner` is the owner of the program the connection serves: the engine derives the connection's
+prefix-cache partition from it with its secret (kvstore/prefix.py), so only that owner's
+connections share cached pages.
+
 A client sends requests `{"id": int, "op": str, ...fields}`; the engine answers each with
 `{"id": id, "result": ...}` or `{"id": id, "error": {"type": str, "message": str}}`. Many requests
 may be in flight on one connection; responses come back in completion order, matched by `id`.
@@ -45,7 +54,7 @@ subscribed channel, or {"push": "chan", "chan": id, "error": message} when a fai
 `owner` (a string or nil) is the owner of the program the connection serves, as the inferlet host
 that connects knows it from the launch: programs never reach the data plane themselves.
 
-Error types: BadFrame, BadRequest, UnknownSequence (never created, already freed, or another
+Error types: Unauthorized (the handshake failed), BadFrame, BadRequest, UnknownSequence (never created, already freed, or another
 connection's), PassError, OutOfPages, InvalidSlot, KVStoreError, UnknownSaved, EpilogueError; anything else is
 the name of an unexpected engine exception.
 
@@ -58,8 +67,10 @@ This module imports only msgpack: inferlet actors use it and must stay light.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import struct
-from typing import Any, TypedDict
+from typing import Any, NamedTuple, TypedDict
 
 import msgpack
 
@@ -69,6 +80,33 @@ TENSOR_EXT = 1
 
 ARGMAX = {"kind": "argmax"}
 LOGITS = {"kind": "logits"}
+NONCE_BYTES = 32
+MAX_AUTH_FRAME = 4096         # the handshake's answer is a proof and an owner: no more is read before it
+
+
+class EngineAddress(NamedTuple):
+    """Where an engine's data plane listens and the secret its connections prove. Its repr leaves
+    the secret out, so an address in a log or an error message gives nothing away."""
+
+    host: str
+    port: int
+    secret: bytes
+
+    def __repr__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    __str__ = __repr__
+
+
+def proof(secret: bytes, nonce: bytes) -> bytes:
+    """What a client sends for the server's `nonce`: HMAC-SHA256 of it under the engine's secret."""
+    return hmac.new(secret, b"pie-data-plane:" + nonce, hashlib.sha256).digest()
+
+
+def proves(secret: bytes, nonce: bytes, answer: Any) -> bool:
+    """Whether a handshake answer holds the proof for `nonce` (compared in constant time)."""
+    given = answer.get("auth") if isinstance(answer, dict) else None
+    return isinstance(given, bytes) and hmac.compare_digest(given, proof(secret, nonce))
 
 
 class LaneSpec(TypedDict, total=False):
@@ -127,6 +165,7 @@ class Stats(TypedDict):
     saved: dict[str, int]         # saved sets by state (kept, spilled, tokens), spill_bytes, and
                                   # opens by how they restored (opened_kept, _spilled, _recomputed)
     connections: int
+    refused: int                  # connections closed for a missing or wrong handshake proof
     requests: int                 # frames the data plane received, all connections together
     sequences: int                # owned by open connections
     channels: int
@@ -167,11 +206,12 @@ def unpack(body: bytes) -> Any:
     return msgpack.unpackb(body, raw=False, strict_map_key=False, ext_hook=_ext_hook)
 
 
-async def read_frame(reader: asyncio.StreamReader) -> bytes:
-    """The next frame's body. Raises asyncio.IncompleteReadError at end of stream, FrameTooLarge."""
+async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> bytes:
+    """The next frame's body. Raises asyncio.IncompleteReadError at end of stream, FrameTooLarge
+    past `limit` bytes."""
     (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-    if size > MAX_FRAME:
-        raise FrameTooLarge(f"frame of {size} bytes exceeds the {MAX_FRAME}-byte limit")
+    if size > limit:
+        raise FrameTooLarge(f"frame of {size} bytes exceeds the {limit}-byte limit")
     return await reader.readexactly(size)
 
 
