@@ -133,13 +133,29 @@ class RunLimits:
                                  default=8)
     channel_capacity: int = _doc("what model.channel_capacity() tells programs to ask of a channel that "
                                  "buffers a whole decode", default=1024)
+    mailbox_size: int = _doc("messages from other processes (session.send_to) a run's mailbox holds before "
+                             "senders wait", default=1024)
+    send_timeout_s: float = _doc("the longest session.send_to waits for room in a full mailbox (then it "
+                                 "fails)", default=30.0)
+    allow_hosts: tuple[str, ...] = _doc("hosts http.fetch may reach (names or IPs; \"*\": any public host); "
+                                        "none: every request is refused. The cluster's own, loopback and "
+                                        "private addresses are refused unless named here", default=())
+    http_timeout_s: float = _doc("the longest one http.fetch may take, in seconds", default=30.0)
+    http_response_mb: int = _doc("the largest response body http.fetch accepts, in MiB", default=8)
 
     def __post_init__(self) -> None:
+        if isinstance(self.allow_hosts, list):
+            object.__setattr__(self, "allow_hosts", tuple(self.allow_hosts))
         _check_types(self, "limits")
+        if not all(isinstance(h, str) and h for h in self.allow_hosts):
+            raise ConfigError("limits.allow_hosts must be a list of host names")
+        for name in ("send_timeout_s", "http_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"limits.{name} must be positive, got {getattr(self, name)!r}")
         if not self.timeout_s > 0:
             raise ConfigError(f"limits.timeout_s must be positive, got {self.timeout_s!r}")
         _check_min(self, "limits", memory_mb=16, table_elements=1, instances=1, tables=1, memories=1,
-                   message_mb=1, run_ahead_window=1, channel_capacity=1)
+                   message_mb=1, run_ahead_window=1, channel_capacity=1, mailbox_size=1, http_response_mb=1)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The Controller: a named, detached Ray actor that knows the engines, keeps a warm pool of
 inferlet actors (a launch costs a Ray call instead of a new actor, ~0.45 s here) and names the
-running inferlets (processes), so other inferlets of the same owner can message them.
+running inferlets (processes): a process's `session.send_to` looks its peer's actor up here once
+(`lookup`, owner-scoped) and then calls that actor itself.
 
 `Runtime.connect()` (runtime.py) is its client: it asks for an engine (`engine`), then for each
 launch a process name and a warm actor (`launch`), and streams the run from the actor directly
@@ -95,9 +96,11 @@ class Controller:
 
     # ---- processes ---------------------------------------------------------------------------
 
-    def launch(self, model: str, name: str | None = None, owner: str | None = None) -> dict[str, Any]:
+    def launch(self, model: str, name: str | None = None, owner: str | None = None,
+               node: str | None = None) -> dict[str, Any]:
         """Start a process of `model` (whose engine `engine` started) for `owner`: {"process": its
-        (owner, name), "actor": a warm InferletActor}. The caller runs `actor.run.remote(...,
+        (owner, name), "actor": a warm InferletActor, or with `node` (a node id or IP) a new one on
+        that node (the pool is node-agnostic)}. The caller runs `actor.run.remote(...,
         process=<that key>, controller=<this actor>)`."""
         if name is not None and (owner, name) in self.processes:
             raise ValueError(f"a process named {name!r} is already running")
@@ -106,7 +109,7 @@ class Controller:
         name = name or f"inferlet-{next(self._numbers)}"
         while (owner, name) in self.processes:           # a user took that name before us
             name = f"inferlet-{next(self._numbers)}"
-        actor = self.acquire()
+        actor = self.acquire() if node is None else _actor_on(node)
         self.processes[owner, name] = {"actor": actor, "model": model, "started": time.time()}
         return {"process": (owner, name), "actor": actor}
 
@@ -117,14 +120,25 @@ class Controller:
         if process is not None:
             self.release(process["actor"])
 
-    def send(self, owner: str | None, name: str, message: Any) -> None:
-        """Deliver `message` to the `session.receive` of `owner`'s process `name` (from a
-        `session.send_to` of that owner's process): another owner's process is not found."""
+    def lookup(self, owner: str | None, name: str) -> Any:
+        """The actor of `owner`'s running process `name` (for a `session.send_to` of that owner's
+        process, which then calls it directly): another owner's process is not found."""
         process = self.processes.get((owner, name))
         if process is None:
             running = ", ".join(sorted(n for o, n in self.processes if o == owner)) or "none"
             raise UnknownProcess(f"no running inferlet named {name!r} (running: {running})")
-        process["actor"].deliver.remote(message, (owner, name))
+        return process["actor"]
+
+    def engine_config(self, model: str | None, process: ProcessKey) -> EngineConfig:
+        """The settings of the engine that runs `model` (None: the model of `process`), for a
+        process that spawns a child on it."""
+        if model is None:
+            model = self.processes[process]["model"]
+        running = self.engines.get(model)
+        if running is None:
+            raise ValueError(f"no engine for {model!r} runs in this cluster (running: "
+                             f"{', '.join(sorted(self.engines)) or 'none'})")
+        return running.config
 
     def status(self) -> dict[str, Any]:
         now = time.time()
@@ -132,6 +146,22 @@ class Controller:
                 "processes": [{"owner": o, "name": n, "model": p["model"], "running_s": round(now - p["started"], 3)}
                               for (o, n), p in self.processes.items()],
                 "idle_actors": len(self.idle), "launches": self.launches}
+
+
+def _actor_on(node: str) -> Any:
+    """A new InferletActor on the live node whose id or IP is `node` (Ray's node affinity)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from .inferlet.actor import inferlet_actor
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    for n in nodes:
+        if node in (n["NodeID"], n["NodeManagerAddress"]):
+            strategy = NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+            return inferlet_actor().options(scheduling_strategy=strategy).remote()
+    known = ", ".join(f"{n['NodeID']} at {n['NodeManagerAddress']}" for n in nodes)
+    raise ValueError(f"no live node {node!r} in this cluster (nodes: {known})")
 
 
 def connect(pool_size: int = 2) -> Any:

@@ -18,12 +18,11 @@ import itertools
 import os
 import socket
 import threading
-from functools import partial
 from typing import Any
 
 from .config import Config, RunLimits, load
 from .gpu.engine.wire import EngineAddress
-from .inferlet.host import HostOpError
+from .inferlet.peers import UnknownProcess
 from .kvstore import UnknownSaved
 from .process import Done, Failed, Process
 from .program import Program
@@ -62,16 +61,20 @@ class Runtime:
 
     def launch(self, program: Any, input: Any = None, *, name: str | None = None,
                files: dict[str, bytes] | None = None, timeout: float | None = None,
-               owner: str | None = None) -> Process:
+               owner: str | None = None, node: str | None = None, limits: RunLimits | None = None) -> Process:
         """Start `program` (a .py file, a bundle folder or source text) on `input` (main's argument,
         {} by default). `name`: the process name other inferlets' `session.send_to` use (one is made
         up otherwise; a name in use is a ValueError). `files`: what `session.file(name)` reads.
         `timeout`: its wall-clock limit in seconds (default: the config's timeout_s). `owner`: whose
         process it is (pie serve passes its client's key; None: this machine's user). Names are per
-        owner, and `session.send_to` reaches only processes of the sender's owner."""
-        limits = self.config.limits if timeout is None else dataclasses.replace(self.config.limits, timeout_s=timeout)
+        owner, and `session.send_to` reaches only processes of the sender's owner. `node`: the Ray
+        node (id or IP) to run it on (Runtime.connect only). `limits`: the run's bounds, in place of
+        the config's (an inferlet's children get their parent's)."""
+        limits = limits or self.config.limits
+        if timeout is not None:
+            limits = dataclasses.replace(limits, timeout_s=timeout)
         return self._backend.launch(Program.load(program), {} if input is None else input, name, owner,
-                                    dict(files or {}), limits)
+                                    dict(files or {}), limits, node)
 
     def saved(self, owner: str | None = None) -> list[dict[str, Any]]:
         """The working sets `owner`'s processes saved (`ws.save(name)`): {"name", "state" ("kept":
@@ -114,14 +117,18 @@ class _Local:
 
         self.server, self.address = serve_model(config.engine, long_lived=long_lived)
         self.engine = self.server.engine
+        self.model = config.engine.model
         self.runs: dict[tuple[str | None, str], Any] = {}   # (owner, process name) -> its Run, while it runs
         self._lock = threading.Lock()
         self._numbers = itertools.count(1)
 
     def launch(self, program: Program, input: Any, name: str | None, owner: str | None,
-               files: dict[str, bytes], limits: RunLimits) -> Process:
+               files: dict[str, bytes], limits: RunLimits, node: str | None = None) -> Process:
         from .inferlet.run import Run
 
+        if node is not None:
+            raise ValueError(f"node={node!r}: Runtime.local runs everything in this process (placement "
+                             "on a node needs a Ray cluster: Runtime.connect, pie run without --local)")
         with self._lock:
             if name is not None and (owner, name) in self.runs:
                 raise ValueError(f"a process named {name!r} is already running")
@@ -136,7 +143,7 @@ class _Local:
                     self.runs.pop(key, None)
             process.emit(event)
 
-        run = Run(program, input, self.address, limits, emit, files=files, send_to=partial(self._send_to, owner),
+        run = Run(program, input, self.address, limits, emit, files=files, peers=_LocalPeers(self, owner, name),
                   owner=owner)
         process = Process(name, run)
         with self._lock:
@@ -144,13 +151,14 @@ class _Local:
         run.start()
         return process
 
-    def _send_to(self, owner: str | None, name: str, message: Any) -> None:
+    def find(self, owner: str | None, name: str) -> Any:
+        """The Run of `owner`'s running process `name`; UnknownProcess when there is none."""
         with self._lock:
             run = self.runs.get((owner, name))
             running = ", ".join(sorted(n for o, n in self.runs if o == owner)) or "none"
         if run is None:
-            raise HostOpError(f"no running inferlet named {name!r} (running: {running})")
-        run.deliver(message)
+            raise UnknownProcess(f"no running inferlet named {name!r} (running: {running})")
+        return run
 
     def saved(self, owner: str | None) -> list[dict[str, Any]]:
         return self.engine.list_saved(owner)
@@ -172,6 +180,22 @@ class _Local:
             run.cancel("the runtime closed")
         self.server.close()
         self.engine.close()
+
+
+class _LocalPeers:
+    """The `Peers` (inferlet/peers.py) of process `sender` of `owner` in a local runtime."""
+
+    def __init__(self, local: _Local, owner: str | None, sender: str) -> None:
+        self.local, self.owner, self.sender = local, owner, sender
+
+    def deliver(self, name: str, message: Any, timeout: float) -> bool:
+        return self.local.find(self.owner, name).deliver(message, self.sender)
+
+    def launch(self, program: Program, input: Any, *, name: str | None, limits: RunLimits,
+               node: str | None, model: str | None) -> Process:
+        if model is not None and model != self.local.model:
+            raise ValueError(f"model={model!r}: this runtime serves {self.local.model!r} only")
+        return self.local.launch(program, input, name, self.owner, {}, limits, node)
 
 
 # ---- on a Ray cluster ----------------------------------------------------------------------------
@@ -220,11 +244,11 @@ class _Cluster:
         self.thread.start()
 
     def launch(self, program: Program, input: Any, name: str | None, owner: str | None,
-               files: dict[str, bytes], limits: RunLimits) -> Process:
+               files: dict[str, bytes], limits: RunLimits, node: str | None = None) -> Process:
         import ray
 
         try:
-            launched = ray.get(self.controller.launch.remote(self.config.engine.model, name, owner))
+            launched = ray.get(self.controller.launch.remote(self.config.engine.model, name, owner, node))
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, ValueError):       # the name is taken
                 raise ValueError(str(e.cause)) from None

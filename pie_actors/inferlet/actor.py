@@ -9,22 +9,20 @@ actor.run.remote(...)`. Forward passes go straight from the actor to the engine 
 While a run streams, `deliver`, `deliver_file` and `cancel` are served concurrently (the actor has a
 few threads); each names the process it is meant for (its (owner, name) key), so a late call never
 reaches the actor's next run. A run started by the Controller hands the actor back when it ends.
+Other processes' `session.send_to` call `deliver` directly (peers.py: ClusterPeers).
 """
 from __future__ import annotations
 
 import queue
 import threading
-from functools import partial
 from typing import Any, Iterator
 
 from ..config import RunLimits
 from ..gpu.engine.wire import EngineAddress
 from ..process import Done, Event, Failed
 from ..program import Program
-from .host import HostOpError
+from .peers import DELIVERED, FULL, GONE, ClusterPeers
 from .run import Run, sandbox_for
-
-SEND_TO_WAIT_S = 30.0    # the longest session.send_to waits for the Controller (a host op's own bound)
 
 
 class InferletActor:
@@ -48,8 +46,8 @@ class InferletActor:
         `session.send_to` reaches the owner's other processes, and the actor hands itself back to
         the Controller at the end."""
         events: queue.Queue[Event] = queue.Queue()
-        send_to = None if controller is None else partial(_send_to, controller, process[0])
-        run = Run(program, input, engine_address, limits, events.put, files=files, send_to=send_to,
+        peers = None if controller is None else ClusterPeers(controller, *process)
+        run = Run(program, input, engine_address, limits, events.put, files=files, peers=peers,
                   owner=None if process is None else process[0])
         with self._lock:
             self._process, self._run = process, run
@@ -70,13 +68,14 @@ class InferletActor:
         with self._lock:
             return self._run if process == self._process else None
 
-    def deliver(self, message: Any, process: Any = None) -> bool:
-        """A message for the running inferlet's `session.receive`. False when no run of `process`
-        is in progress here (it ended: the message is dropped)."""
+    def deliver(self, message: Any, process: Any = None, sender: str | None = None) -> str:
+        """A message for the running inferlet's `session.receive`, from its client or from process
+        `sender` of its owner: DELIVERED, FULL (its mailbox is: not taken), or GONE (no run of
+        `process` is in progress here: it ended, the message is dropped)."""
         run = self._current(process)
-        if run is not None:
-            run.deliver(message)
-        return run is not None
+        if run is None:
+            return GONE
+        return DELIVERED if run.deliver(message, sender) else FULL
 
     def deliver_file(self, data: bytes, process: Any = None) -> bool:
         """Data for the running inferlet's `session.receive_file` (False: no such run here)."""
@@ -91,18 +90,6 @@ class InferletActor:
         if run is not None:
             run.cancel(reason)
         return run is not None
-
-
-def _send_to(controller: Any, owner: str | None, name: str, message: Any) -> None:
-    """session.send_to through the Controller (a control-plane call: the sender learns at once
-    that its owner has no process of that name)."""
-    import ray
-    try:
-        ray.get(controller.send.remote(owner, name, message), timeout=SEND_TO_WAIT_S)
-    except ray.exceptions.RayTaskError as e:
-        raise HostOpError(str(e.cause)) from None
-    except ray.exceptions.GetTimeoutError:
-        raise HostOpError(f"session.send_to: the Controller did not answer within {SEND_TO_WAIT_S:.0f} s") from None
 
 
 def inferlet_actor(**options: Any):

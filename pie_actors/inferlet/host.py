@@ -162,13 +162,16 @@ class FutureTable:
 class Inbox:
     """Items delivered from any thread, matched in order with the guest's receive futures.
 
-    `convert` turns an item into the value a receive future gets (raising fails it). After
-    `fail(message)`, waiting and later receives fail with the message."""
+    `convert` turns an item into the value a receive future gets (raising fails it); one receive
+    may bring its own. `capacity` bounds what `offer` accepts (items delivered, not yet received);
+    `put` always takes the item. After `fail(message)`, waiting and later receives fail with the
+    message."""
 
-    def __init__(self, futures: FutureTable, convert: Callable[[Any], Any] = lambda item: item) -> None:
-        self.futures, self.convert = futures, convert
+    def __init__(self, futures: FutureTable, convert: Callable[[Any], Any] = lambda item: item,
+                 capacity: int | None = None) -> None:
+        self.futures, self.convert, self.capacity = futures, convert, capacity
         self._items: deque = deque()            # delivered, not yet received
-        self._waiting: deque[int] = deque()     # receive futures with nothing to get yet
+        self._waiting: deque[tuple[int, Callable[[Any], Any]]] = deque()   # receives with nothing to get yet
         self._error: str | None = None
         self._lock = threading.Lock()
 
@@ -178,17 +181,27 @@ class Inbox:
             ready = self._match()
         self._settle(ready)
 
+    def offer(self, item: Any) -> bool:
+        """`put`, unless `capacity` items wait already: then False, and the item is not taken."""
+        with self._lock:
+            if self.capacity is not None and len(self._items) >= self.capacity:
+                return False
+            self._items.append(item)
+            ready = self._match()
+        self._settle(ready)
+        return True
+
     def fail(self, message: str) -> None:
         with self._lock:
             self._error = message
             ready = self._match()
         self._settle(ready)
 
-    def receive(self) -> int:
-        """A future id that completes with the next item."""
+    def receive(self, convert: Callable[[Any], Any] | None = None) -> int:
+        """A future id that completes with the next item (through `convert`, else the inbox's)."""
         fid = self.futures.new()
         with self._lock:
-            self._waiting.append(fid)
+            self._waiting.append((fid, convert or self.convert))
             ready = self._match()
         self._settle(ready)
         return fid
@@ -207,20 +220,20 @@ class Inbox:
         with self._lock:
             self._items.clear()
 
-    def _match(self) -> list[tuple[int, Any, str | None]]:
+    def _match(self) -> list[tuple[int, Callable[[Any], Any], Any, str | None]]:
         ready = []
         while self._waiting and (self._items or self._error is not None):
-            fid = self._waiting.popleft()
-            ready.append((fid, None, self._error) if self._error is not None
-                         else (fid, self._items.popleft(), None))
+            fid, convert = self._waiting.popleft()
+            ready.append((fid, convert, None, self._error) if self._error is not None
+                         else (fid, convert, self._items.popleft(), None))
         return ready
 
-    def _settle(self, ready: list[tuple[int, Any, str | None]]) -> None:
-        for fid, item, error in ready:
+    def _settle(self, ready: list[tuple[int, Callable[[Any], Any], Any, str | None]]) -> None:
+        for fid, convert, item, error in ready:
             try:
                 if error is None:
                     try:
-                        value = self.convert(item)
+                        value = convert(item)
                     except Exception as e:
                         error = str(e)
                 if error is None:

@@ -10,7 +10,9 @@ Host operations (the guest SDK's calls; see sdk/inferlet/), by glue class:
     chat.*                                                            ChatOps       (chat_ops.py)
     grammar.*, tools.*, reasoning.*                 GrammarOps, ToolOps, ReasoningOps (structured_ops.py)
     ws.*, eta.program / submit / run_ahead..., chan.*                 EtaOps        (eta_ops.py)
-    session.receive / receive_file / send_file / file / send_to       SessionOps    (session_ops.py)
+    session.receive / receive_from / receive_file / send_file / file / send_to     SessionOps (session_ops.py)
+    runtime.spawn / result / kill / name                              SpawnOps      (spawn_ops.py)
+    http.fetch                                                        HttpOps       (http_ops.py)
 """
 from __future__ import annotations
 
@@ -19,12 +21,16 @@ from typing import Any, Callable, Protocol
 from ..config import RunLimits
 from ..gpu.engine.wire import EngineAddress
 from ..process import Event, Send
+from ..program import Program
 from .chat_ops import ChatOps
 from .eta_ops import EtaOps
 from .host import HostApi, InferletError
+from .http_ops import HttpOps
 from .model_ops import ModelOps
+from .peers import Peers
 from .run_state import RunState
 from .session_ops import SessionOps
+from .spawn_ops import SpawnOps
 from .structured_ops import GrammarOps, HandleTable, ReasoningOps, ToolOps
 
 __all__ = ["InferletHost", "op_table"]
@@ -52,20 +58,24 @@ def op_table(*glues: HostGlue) -> dict[str, HostOp]:
 
 class InferletHost(HostApi):
     """Host operations of one inferlet run, connected to the engine at `engine_address`, for a
-    process of `owner` (the scope of its saved working sets)."""
+    process of `owner` (the scope of its saved working sets) that reaches the owner's other processes
+    through `peers` (its messages and children; None: a run with no process name). `program`: what
+    runs (children may be modules of its bundle)."""
 
     def __init__(self, engine_address: EngineAddress, *, limits: RunLimits, emit: Callable[[Event], None],
                  files: dict[str, bytes] | None = None,
-                 send_to: Callable[[str, Any], None] | None = None, owner: str | None = None) -> None:
+                 peers: Peers | None = None, owner: str | None = None, program: Program | None = None) -> None:
         super().__init__()
         self.state = RunState(engine_address, futures=self.futures, limits=limits, emit=emit, owner=owner)
         try:
-            self.session = SessionOps(self.state, files, send_to)
+            self.session = SessionOps(self.state, files, peers)
+            self.spawn = SpawnOps(self.state, peers, program)
             self.eta = EtaOps(self.state, owner)
             handles = HandleTable()     # one table: tools.grammar makes grammars for grammar.matcher
             self._ops = op_table(
                 ModelOps(self.state), ChatOps(self.state), GrammarOps(self.state, handles),
-                ToolOps(self.state, handles), ReasoningOps(self.state, handles), self.eta, self.session)
+                ToolOps(self.state, handles), ReasoningOps(self.state, handles), self.eta, self.session,
+                self.spawn, HttpOps(self.state))
         except BaseException:
             self.state.close()
             raise
@@ -86,14 +96,19 @@ class InferletHost(HostApi):
             self.eta.guest_waits()
         self.state.flush()
 
-    def deliver(self, message: Any) -> None:
-        """A message for `session.receive` (from the client or another process; any thread)."""
-        self.session.deliver(message)
+    def deliver(self, message: Any, sender: str | None = None) -> bool:
+        """A message for `session.receive` from the client, or from process `sender` (any thread);
+        False: the mailbox is full (see SessionOps.deliver)."""
+        return self.session.deliver(message, sender)
 
     def deliver_file(self, data: bytes) -> None:
         """Binary data for `session.receive_file` (any thread)."""
         self.session.deliver_file(data)
 
     def on_exit(self, error: InferletError | None) -> None:
-        """Close the engine connection: the engine frees every sequence of the run."""
-        self.state.close()
+        """Cancel the children that end with the run, and close the engine connection: the engine
+        frees every sequence of the run."""
+        try:
+            self.spawn.close()
+        finally:
+            self.state.close()

@@ -18,6 +18,7 @@ from ..program import Program
 from .build import cache_dir
 from .host import HostOpError, InferletError, Sandbox
 from .ops import InferletHost
+from .peers import Peers
 
 __all__ = ["Run", "sandbox_for"]
 
@@ -62,13 +63,13 @@ class Run:
 
     def __init__(self, program: Program, input: Any, engine_address: EngineAddress, limits: RunLimits,
                  emit: Callable[[Event], None], *, files: dict[str, bytes] | None = None,
-                 send_to: Callable[[str, Any], None] | None = None, owner: str | None = None) -> None:
+                 peers: Peers | None = None, owner: str | None = None) -> None:
         self.program, self.input, self.engine_address = program, input, engine_address
-        self.limits, self.emit, self.files, self.send_to = limits, emit, files, send_to
+        self.limits, self.emit, self.files, self.peers = limits, emit, files, peers
         self.owner = owner
         self._lock = threading.Lock()
         self._host: InferletHost | None = None
-        self._early: list[tuple[str, Any]] = []       # ("message" | "file", payload) before the host exists
+        self._early: list[tuple[str, Any]] = []       # ("message", (message, sender)) | ("file", data) before the host exists
         self._cancelled: str | None = None
 
     def start(self) -> threading.Thread:
@@ -90,14 +91,14 @@ class Run:
         sandbox = sandbox_for(self.program)
         try:
             host = InferletHost(self.engine_address, limits=self.limits, emit=self.emit, files=self.files,
-                                send_to=self.send_to, owner=self.owner)
+                                peers=self.peers, owner=self.owner, program=self.program)
         except (OSError, HostOpError, TimeoutError) as e:
             raise InferletError("trap", f"cannot reach the engine at {self.engine_address}: "
                                         f"{type(e).__name__}: {e}") from None
         with self._lock:
             self._host = host
             for kind, payload in self._early:
-                host.deliver(payload) if kind == "message" else host.deliver_file(payload)
+                host.deliver(*payload) if kind == "message" else host.deliver_file(payload)
             self._early.clear()
             if self._cancelled is not None:
                 host.cancel(self._cancelled)
@@ -107,22 +108,25 @@ class Run:
             with self._lock:
                 self._host = None
 
-    def deliver(self, message: Any) -> None:
-        """A message for the run's `session.receive`."""
-        self._pass("message", message)
+    def deliver(self, message: Any, sender: str | None = None) -> bool:
+        """A message for the run's `session.receive`, from the client or from process `sender`;
+        False when the mailbox is full (a process's message only: the client's are always taken)."""
+        with self._lock:
+            if self._host is not None:
+                return self._host.deliver(message, sender)
+            early = sum(kind == "message" and payload[1] is not None for kind, payload in self._early)
+            if sender is not None and early >= self.limits.mailbox_size:
+                return False
+            self._early.append(("message", (message, sender)))
+            return True
 
     def deliver_file(self, data: bytes) -> None:
         """Data for the run's `session.receive_file`."""
-        self._pass("file", data)
-
-    def _pass(self, kind: str, payload: Any) -> None:
         with self._lock:
             if self._host is None:
-                self._early.append((kind, payload))
-            elif kind == "message":
-                self._host.deliver(payload)
+                self._early.append(("file", data))
             else:
-                self._host.deliver_file(payload)
+                self._host.deliver_file(data)
 
     def cancel(self, reason: str) -> None:
         """End the run at its next host call (before it starts, if it has not yet)."""

@@ -1,11 +1,13 @@
 """The `session.*` host operations (`SessionOps`): talking to the client and to other inferlet processes.
 
-It receives the run's `RunState` (for its futures and `emit`), the files attached to the run and
-the `send_to` of named processes. Text goes to the client through the WIT `send` import
-(`HostApi.send`); everything else is a host operation here. Binary data crosses the JSON boundary
-as base64 text. Messages reach a run from any thread (its client, or another process's `send_to`)
-through `deliver` / `deliver_file` and are handed, in order, to the guest's pending `receive` /
-`receive_file` futures.
+It receives the run's `RunState` (for its futures, limits and `emit`), the files attached to the run
+and the run's `Peers` (peers.py: the owner's other processes). Text goes to the client through the
+WIT `send` import (`HostApi.send`); everything else is a host operation here. Binary data crosses
+the JSON boundary as base64 text. Messages reach a run from any thread (its client, or another
+process's `send_to`) through `deliver` / `deliver_file` and are handed, in order, to the guest's
+pending `receive` / `receive_from` / `receive_file` futures. The mailbox is bounded for messages
+from processes (`limits.mailbox_size`: a sender finding it full waits, then fails); the client's
+messages are always taken.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any, Callable
 
 from ..process import File
 from .host import HostOpError, Inbox
+from .peers import Peers, send_within
 from .run_state import RunState
 
 __all__ = ["SessionOps"]
@@ -33,22 +36,25 @@ def _unb64(text: Any, what: str) -> bytes:
 
 
 class SessionOps:
-    def __init__(self, run: RunState, files: dict[str, bytes] | None,
-                 send_to: Callable[[str, Any], None] | None) -> None:
+    def __init__(self, run: RunState, files: dict[str, bytes] | None, peers: Peers | None) -> None:
         self.run = run
         self.files = dict(files or {})
-        self.send_to = send_to
-        self.inbox = Inbox(run.futures)
+        self.peers = peers
+        self.inbox = Inbox(run.futures, convert=_message, capacity=run.limits.mailbox_size)   # (sender, message)
         self.file_inbox = Inbox(run.futures)
 
     def ops(self) -> dict[str, Callable[[Any], Any]]:
-        return {"session.receive": self.receive, "session.receive_file": self.receive_file,
-                "session.send_file": self.send_file, "session.file": self.file,
-                "session.send_to": self.send_message_to}
+        return {"session.receive": self.receive, "session.receive_from": self.receive_from,
+                "session.receive_file": self.receive_file, "session.send_file": self.send_file,
+                "session.file": self.file, "session.send_to": self.send_message_to}
 
-    def deliver(self, message: Any) -> None:
-        """A message for `session.receive` (from the client or another process; any thread)."""
-        self.inbox.put(message)
+    def deliver(self, message: Any, sender: str | None = None) -> bool:
+        """A message for `session.receive` (any thread): from the client (`sender` None: always
+        taken), or from process `sender` (False, not taken, when the mailbox is full)."""
+        if sender is None:
+            self.inbox.put((None, message))
+            return True
+        return self.inbox.offer((sender, message))
 
     def deliver_file(self, data: bytes) -> None:
         """Binary data for `session.receive_file` (any thread)."""
@@ -56,6 +62,9 @@ class SessionOps:
 
     def receive(self, args: Any) -> int:
         return self.inbox.receive()
+
+    def receive_from(self, args: Any) -> int:
+        return self.inbox.receive(convert=list)
 
     def receive_file(self, args: Any) -> int:
         return self.file_inbox.receive()
@@ -73,7 +82,11 @@ class SessionOps:
     def send_message_to(self, args: Any) -> None:
         if not (isinstance(args, list) and len(args) == 2 and isinstance(args[0], str)):
             raise HostOpError("session.send_to takes a process name and a message")
-        if self.send_to is None:
-            raise HostOpError("session.send_to needs named processes: run the inferlet on a Ray "
-                              "cluster (pie run without --local)")
-        self.send_to(args[0], args[1])
+        if self.peers is None:
+            raise HostOpError("session.send_to needs named processes: launch the inferlet through the "
+                              "launch API (pie run, Runtime.launch)")
+        send_within(self.peers, args[0], args[1], self.run.time_left(self.run.limits.send_timeout_s))
+
+
+def _message(item: tuple[str | None, Any]) -> Any:
+    return item[1]

@@ -8,7 +8,7 @@ import json
 from . import _host
 from wit_world.imports import host as _wit
 
-__all__ = ["send", "receive", "send_file", "receive_file", "file", "send_to"]
+__all__ = ["send", "receive", "receive_from", "send_file", "receive_file", "file", "send_to"]
 
 
 def send(message) -> None:
@@ -23,6 +23,13 @@ async def receive():
     """The next message for this process: from its client, or from another process's
     `send_to` (text, or the JSON value that was sent)."""
     return await _host.call_async("session.receive")
+
+
+async def receive_from():
+    """`receive()`, with who sent it: (sender, message), the sender being the name of the process
+    whose `send_to` sent it, or None for the client. Both draw from the one mailbox, in order."""
+    sender, message = await _host.call_async("session.receive_from")
+    return sender, message
 
 
 def send_file(data: bytes) -> None:
@@ -41,6 +48,9 @@ def file(name: str) -> bytes:
 
 
 def send_to(process: str, message) -> None:
-    """Deliver `message` (text or a JSON value) to the named inferlet process; it gets it from
-    its `session.receive()`. Processes are named at launch (`pie run --name`)."""
+    """Deliver `message` (text or a JSON value) to the named inferlet process of the same owner;
+    it gets it from its `session.receive()` (or `receive_from()`). Processes are named at launch
+    (`pie run --name`, `runtime.spawn(name=...)`). Returns once the message is in the process's
+    mailbox, so one sender's messages arrive in order; a full mailbox makes it wait, up to the
+    config's `send_timeout_s`. A process that is not running is a HostError at once."""
     _host.call("session.send_to", [str(process), message])

@@ -1,0 +1,171 @@
+"""The `http.fetch` host operation (`HttpOps`): an inferlet's way out of the sandbox, guarded.
+
+The request runs on the run's host loop (httpx, async), so the inferlet's other tasks and the
+actor's other calls go on meanwhile; the guest gets a future of the response. Guards, from the
+run's limits:
+
+* Only hosts in `limits.allow_hosts` (`[limits] allow_hosts`, `pie run --allow-host`) are reached;
+  none by default. "*" allows any host with public addresses.
+* A host whose addresses are not public (loopback, private, link-local, reserved ranges) or are this
+  machine's or the Ray cluster's own is refused unless it is named in the list itself (by name or
+  by address): "*" never opens them.
+* Redirects are followed by hand (at most MAX_REDIRECTS), each target through the same guards.
+* `limits.http_timeout_s` bounds a request (the guest may ask for less), and so does the run's
+  deadline; a body over `limits.http_response_mb` is cut off and fails the request.
+
+Every refusal or failure fails the guest's future with "KIND: message", KIND one of refused,
+timeout, too_large, failed (the SDK raises `http.HttpError` with that kind).
+
+The addresses are checked when resolved, and httpx resolves the host again when it connects: a
+name whose DNS answer changes between the two (rebinding) is not caught.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import ipaddress
+import socket
+from typing import Any, Callable
+from urllib.parse import urljoin, urlsplit
+
+from .host import HostOpError
+from .run_state import RunState
+
+__all__ = ["HttpOps", "own_addresses"]
+
+MAX_REDIRECTS = 5
+METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+class _Refused(Exception):
+    kind = "refused"
+
+
+class _TooLarge(Exception):
+    kind = "too_large"
+
+
+def own_addresses() -> set[str]:
+    """This machine's addresses and, on a Ray cluster, its nodes' (what a fetch must not reach)."""
+    found = set()
+    try:
+        found.update(socket.gethostbyname_ex(socket.gethostname())[2])
+    except OSError:
+        pass
+    try:
+        import ray
+        if ray.is_initialized():
+            found.update(n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive"))
+    except Exception:    # no Ray, or its GCS unreachable: the private ranges still cover it
+        pass
+    return found
+
+
+class HttpOps:
+    def __init__(self, run: RunState) -> None:
+        self.run = run
+        self.allowed = {h.lower() for h in run.limits.allow_hosts}
+        self._own: set[str] | None = None
+
+    def ops(self) -> dict[str, Callable[[Any], Any]]:
+        return {"http.fetch": self.fetch}
+
+    def fetch(self, args: Any) -> int:
+        if not isinstance(args, dict) or not isinstance(args.get("url"), str):
+            raise HostOpError("http.fetch takes {url, method, headers, body, timeout}")
+        method = str(args.get("method") or "GET").upper()
+        if method not in METHODS:
+            raise HostOpError(f"refused: http.fetch: method {method!r} is not one of {', '.join(METHODS)}")
+        headers = args.get("headers") or {}
+        if not (isinstance(headers, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                  for k, v in headers.items())):
+            raise HostOpError("http.fetch: headers map names to text")
+        body = args.get("body")
+        body = None if body is None else base64.b64decode(body)
+        limit = self.run.limits.http_timeout_s
+        timeout = min(float(args.get("timeout") or limit), limit)
+        timeout = self.run.time_left(timeout)
+        url = args["url"]
+        try:
+            self._check_listed(url)
+        except _Refused as e:
+            raise HostOpError(f"refused: {e}") from None
+        fid = self.run.futures.new()
+        self.run.post(self.run.loop.create_task, self._fetch(fid, method, url, headers, body, timeout))
+        return fid
+
+    def _check_listed(self, url: str) -> str:
+        """The URL's host, if the allow-list lets it be asked for at all."""
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise _Refused(f"{url!r} is not an http(s) URL")
+        host = parts.hostname.lower()
+        if not self.allowed:
+            raise _Refused(f"http.fetch of {host!r}: no host is allowed (allow hosts in the config's "
+                           "[limits] allow_hosts, or for one run with pie run --allow-host HOST)")
+        if host not in self.allowed and "*" not in self.allowed:
+            raise _Refused(f"http.fetch of {host!r}: the host is not in [limits] allow_hosts "
+                           f"({', '.join(sorted(self.allowed))}; pie run --allow-host HOST adds one)")
+        return host
+
+    async def _check_addresses(self, url: str) -> None:
+        """Refuse a host that resolves to a private or cluster address, unless it is named itself."""
+        host = self._check_listed(url)
+        port = urlsplit(url).port or (443 if url.lower().startswith("https") else 80)
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as e:
+            raise OSError(f"cannot resolve {host!r}: {e}") from None
+        addresses = {info[4][0] for info in infos}
+        if host in self.allowed or addresses & self.allowed:
+            return                              # named on the list: the user meant this host
+        if self._own is None:
+            self._own = await loop.run_in_executor(None, own_addresses)
+        for address in sorted(addresses):
+            ip = ipaddress.ip_address(address.split("%")[0])
+            if not ip.is_global or address in self._own:
+                raise _Refused(f"http.fetch of {host!r}: it resolves to {address}, a private or this "
+                               "cluster's own address; name the host itself in [limits] allow_hosts "
+                               "to reach it")
+
+    async def _fetch(self, fid: int, method: str, url: str, headers: dict[str, str], body: bytes | None,
+                     timeout: float) -> None:
+        try:
+            response = await asyncio.wait_for(self._follow(method, url, headers, body), timeout)
+        except asyncio.TimeoutError:
+            self.run.complete(fid, error=f"timeout: http.fetch of {url!r} took longer than {timeout:.3g} s")
+        except (_Refused, _TooLarge) as e:
+            self.run.complete(fid, error=f"{e.kind}: {e}")
+        except Exception as e:        # httpx's errors, a host that does not resolve
+            self.run.complete(fid, error=f"failed: http.fetch of {url!r}: {type(e).__name__}: {e}")
+        else:
+            self.run.complete(fid, response)
+
+    async def _follow(self, method: str, url: str, headers: dict[str, str], body: bytes | None) -> dict[str, Any]:
+        import httpx
+
+        async with httpx.AsyncClient(follow_redirects=False, trust_env=False) as client:
+            for _ in range(MAX_REDIRECTS + 1):
+                await self._check_addresses(url)
+                async with client.stream(method, url, headers=headers, content=body) as response:
+                    if response.is_redirect and "location" in response.headers:
+                        url = urljoin(url, response.headers["location"])
+                        if response.status_code in (301, 302, 303) and method != "HEAD":
+                            method, body = "GET", None
+                        continue
+                    return {"status": response.status_code, "url": url,
+                            "headers": [[k, v] for k, v in response.headers.multi_items()],
+                            "body": base64.b64encode(await self._read(response, url)).decode("ascii")}
+            raise OSError(f"more than {MAX_REDIRECTS} redirects")
+
+    async def _read(self, response: Any, url: str) -> bytes:
+        limit = self.run.limits.http_response_mb << 20
+        chunks, size = [], 0
+        async for chunk in response.aiter_bytes():     # decoded: a compressed bomb counts whole
+            size += len(chunk)
+            if size > limit:
+                raise _TooLarge(f"http.fetch of {url!r}: the response is larger than "
+                                f"{self.run.limits.http_response_mb} MiB ([limits] http_response_mb)")
+            chunks.append(chunk)
+        return b"".join(chunks)

@@ -1,0 +1,135 @@
+"""How a run reaches the other processes of its owner: messages (`session.send_to`) and children
+(`inferlet.runtime.spawn`).
+
+A `Peers` is handed to each run of a named process by its runtime: `LocalPeers` (runtime.py,
+everything in one process) or `ClusterPeers` here (a run in an InferletActor). Both give the same
+semantics:
+
+* A message goes straight into the peer's mailbox: on a cluster, the sender asks the Controller
+  once for the peer's actor and then calls that actor's `deliver` itself (no central hop per
+  message). Names are per owner: another owner's process is not found.
+* A mailbox holds `limits.mailbox_size` messages; a sender finding it full retries until
+  `limits.send_timeout_s` (and the run's deadline), then fails. `send_within` is that wait.
+* Order is kept per sender -> receiver: `session.send_to` returns only once the message is in the
+  peer's mailbox, so one sender's messages arrive in the order sent.
+* A message to a process that is not running fails at once (`UnknownProcess`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..config import EngineConfig, RunLimits
+from .host import HostOpError
+
+if TYPE_CHECKING:
+    from ..process import Process
+    from ..program import Program
+
+__all__ = ["Peers", "ClusterPeers", "UnknownProcess", "DELIVERED", "FULL", "GONE", "send_within"]
+
+DELIVERED, FULL, GONE = "delivered", "full", "gone"     # what one delivery attempt found
+LOOKUP_WAIT_S = 30.0      # the longest a sender waits for the Controller's answer
+
+
+class UnknownProcess(HostOpError):
+    """No running process of the sender's owner has that name."""
+
+
+class Peers(Protocol):
+    """The side of a runtime that one run of process `sender` of an owner uses."""
+
+    sender: str
+
+    def deliver(self, name: str, message: Any, timeout: float) -> bool:
+        """One attempt to put `message` into process `name`'s mailbox: False when it is full.
+        Raises UnknownProcess when no such process runs; waits at most `timeout` seconds."""
+        ...
+
+    def launch(self, program: Program, input: Any, *, name: str | None, limits: RunLimits,
+               node: str | None, model: str | None) -> Process:
+        """Start a process of the same owner through the launch API (`Runtime.launch`)."""
+        ...
+
+
+def send_within(peers: Peers, name: str, message: Any, wait_s: float) -> None:
+    """Deliver `message` to `name`, waiting while its mailbox is full, `wait_s` seconds at most."""
+    end = time.monotonic() + wait_s
+    pause = 0.001
+    while True:
+        if peers.deliver(name, message, max(0.001, end - time.monotonic())):
+            return
+        if time.monotonic() + pause > end:
+            raise HostOpError(f"session.send_to: the mailbox of {name!r} stayed full for {wait_s:.3g} s "
+                              "(it receives more slowly than it is sent to; limits.mailbox_size)")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+
+
+class ClusterPeers:
+    """`Peers` of a run in an InferletActor: the process (owner, sender) of the Controller's table."""
+
+    def __init__(self, controller: Any, owner: str | None, sender: str) -> None:
+        self.controller, self.owner, self.sender = controller, owner, sender
+        self._actors: dict[str, Any] = {}        # peer name -> its actor (looked up once)
+
+    def _lookup(self, name: str, timeout: float) -> Any:
+        import ray
+
+        try:
+            return ray.get(self.controller.lookup.remote(self.owner, name), timeout=min(timeout, LOOKUP_WAIT_S))
+        except ray.exceptions.RayTaskError as e:
+            raise UnknownProcess(str(e.cause)) from None
+        except ray.exceptions.GetTimeoutError:
+            raise HostOpError(f"session.send_to: the Controller did not answer within {timeout:.3g} s") from None
+
+    def deliver(self, name: str, message: Any, timeout: float) -> bool:
+        import ray
+
+        cached = name in self._actors
+        actor = self._actors.get(name) or self._lookup(name, timeout)
+        try:
+            # A blocking call: the actor runs `deliver` on one of several threads, and Ray keeps the
+            # submission order of one caller's tasks only for actors that run one task at a time
+            # (docs.ray.io, "Actor task execution order": not for threaded or async actors). So the
+            # next message of this sender is sent once this one is in the mailbox.
+            found = ray.get(actor.deliver.remote(message, (self.owner, name), self.sender), timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise HostOpError(f"session.send_to: process {name!r} did not take the message within "
+                              f"{timeout:.3g} s") from None
+        except ray.exceptions.RayActorError:
+            found = GONE
+        if found == GONE:
+            self._actors.pop(name, None)
+            if cached:            # it ended since we looked it up; a new process may have the name
+                return self.deliver(name, message, timeout)
+            raise UnknownProcess(f"process {name!r} has ended")
+        self._actors[name] = actor
+        return found == DELIVERED
+
+    def launch(self, program: Program, input: Any, *, name: str | None, limits: RunLimits,
+               node: str | None, model: str | None) -> Process:
+        import ray
+
+        try:   # the engine settings of `model` (None: this process's model), as the cluster runs it
+            engine = ray.get(self.controller.engine_config.remote(model, (self.owner, self.sender)),
+                             timeout=LOOKUP_WAIT_S)
+        except ray.exceptions.RayTaskError as e:
+            raise HostOpError(str(e.cause)) from None
+        return _cluster_runtime(engine).launch(program, input, name=name, owner=self.owner, node=node,
+                                               limits=limits)
+
+
+_runtimes: dict[EngineConfig, Any] = {}      # an engine's settings -> the launch API on its cluster
+
+
+def _cluster_runtime(engine: EngineConfig) -> Any:
+    """The launch API on this actor's cluster (`Runtime.connect` finds Ray initialized) for
+    programs on the engine of `engine`'s model, which runs already."""
+    from ..runtime import Runtime
+
+    runtime = _runtimes.get(engine)
+    if runtime is None:
+        runtime = _runtimes[engine] = Runtime.connect(**{f.name: getattr(engine, f.name) for f in fields(engine)})
+    return runtime

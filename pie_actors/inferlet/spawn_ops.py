@@ -1,0 +1,122 @@
+"""The `runtime.*` host operations (`SpawnOps`): an inferlet starts other inferlets and awaits them.
+
+A child is a process of the parent's owner, started through the launch API by the run's `Peers`
+(peers.py: `Runtime.launch` on the cluster, or the local runtime): it has a name that
+`session.send_to` reaches and runs in its own sandbox (an actor of its own on a cluster). Its
+program is a module of the parent's bundle (run as main, with the bundle's other modules
+importable: the same compiled component) or source text. A child that is not detached lives no
+longer than its parent: its deadline is at most the parent's, and it is cancelled when the parent's
+run ends, however it ends (`close`).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..program import Program
+from .host import HostOpError, InferletError
+from .peers import Peers
+from .run_state import RunState
+
+if TYPE_CHECKING:
+    from ..process import Process
+
+__all__ = ["SpawnOps"]
+
+
+@dataclasses.dataclass
+class _Child:
+    process: Process
+    detached: bool
+    result: concurrent.futures.Future       # main's output, read from the child's events
+
+
+class SpawnOps:
+    def __init__(self, run: RunState, peers: Peers | None, program: Program | None) -> None:
+        self.run, self.peers, self.program = run, peers, program
+        self.children: dict[int, _Child] = {}
+
+    def ops(self) -> dict[str, Callable[[Any], Any]]:
+        return {"runtime.spawn": self.spawn, "runtime.result": self.result, "runtime.kill": self.kill,
+                "runtime.name": self.name}
+
+    def _peers(self) -> Peers:
+        if self.peers is None:
+            raise HostOpError("spawning needs named processes: launch the inferlet through the launch "
+                              "API (pie run, Runtime.launch)")
+        return self.peers
+
+    def name(self, args: Any) -> str:
+        """This process's name (what other processes' send_to use)."""
+        return self._peers().sender
+
+    def spawn(self, args: Any) -> dict[str, Any]:
+        if not isinstance(args, dict) or not isinstance(args.get("program"), dict):
+            raise HostOpError("runtime.spawn takes {program: {module | source}, input, name, detached, node, model}")
+        peers = self._peers()
+        detached = bool(args.get("detached"))
+        limits = self.run.limits
+        if not detached:               # a child that ends with its parent needs no later deadline
+            limits = dataclasses.replace(limits, timeout_s=self.run.time_left(limits.timeout_s))
+        for key in ("name", "node", "model"):
+            if args.get(key) is not None and not isinstance(args[key], str):
+                raise HostOpError(f"runtime.spawn: {key} must be a string")
+        try:
+            process = peers.launch(self._program(args["program"]), args.get("input") or {}, name=args.get("name"),
+                                   limits=limits, node=args.get("node"), model=args.get("model"))
+        except (ValueError, KeyError) as e:      # a name in use, an unknown node or model
+            raise HostOpError(f"runtime.spawn: {e}") from None
+        result = asyncio.run_coroutine_threadsafe(process.aresult(), self.run.loop)
+        cid = len(self.children) + 1
+        self.children[cid] = _Child(process, detached, result)
+        return {"id": cid, "name": process.name}
+
+    def _program(self, spec: dict[str, Any]) -> Program:
+        """The child's program: `source` text, or `module` of this run's bundle."""
+        if isinstance(spec.get("source"), str):
+            return Program(source=spec["source"])
+        module = spec.get("module")
+        if not isinstance(module, str):
+            raise HostOpError("runtime.spawn: the program is a module name or source text")
+        bundle = self.program.bundle if self.program is not None else None
+        if bundle is None:
+            raise HostOpError(f"runtime.spawn: no module {module!r}: this inferlet is a single file, not a "
+                              "bundle (pass the child's source text, or launch a bundle folder)")
+        path = module.replace(".", "/")
+        for rel in (f"{path}.py", f"{path}/__init__.py"):
+            if rel in bundle:
+                return Program(source=bundle[rel], bundle=bundle)   # the bundle's component runs it as main
+        raise HostOpError(f"runtime.spawn: the bundle has no module {module!r} (modules: "
+                          f"{', '.join(sorted(r[:-3].replace('/', '.') for r in bundle))})")
+
+    def _child(self, args: Any) -> _Child:
+        child = self.children.get(args) if isinstance(args, int) else None
+        if child is None:
+            raise HostOpError(f"no spawned process {args!r}")
+        return child
+
+    def result(self, args: Any) -> int:
+        """A future of the child's output; it fails with the child's error."""
+        child, fid = self._child(args), self.run.futures.new()
+
+        def settle(done: concurrent.futures.Future) -> None:
+            try:
+                self.run.complete(fid, done.result())
+            except InferletError as e:
+                self.run.complete(fid, error=f"process {child.process.name!r} failed: {e}")
+            except (concurrent.futures.CancelledError, RuntimeError) as e:   # the run is closing
+                self.run.complete(fid, error=f"process {child.process.name!r}: {type(e).__name__}")
+
+        child.result.add_done_callback(settle)
+        return fid
+
+    def kill(self, args: Any) -> None:
+        self._child(args).process.kill(f"killed by its parent {self._peers().sender!r}")
+
+    def close(self) -> None:
+        """The run ended: cancel the children that are not detached and still run."""
+        for child in self.children.values():
+            if not child.detached and not child.result.done():
+                child.process.kill(f"its parent {self._peers().sender!r} ended")

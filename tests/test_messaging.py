@@ -1,0 +1,175 @@
+"""session.send_to between processes, locally and on a Ray cluster: order per sender, who sent what
+(session.receive_from), a bounded mailbox (senders wait, then fail), and at once a clear error for a
+process that is not running. The dummy model: only the control plane matters here."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from pie_actors import InferletError, Runtime, Send
+
+SETTINGS = dict(dtype="float32", num_pages=64, compile="off", timeout_s=120, mailbox_size=4, send_timeout_s=1.0)
+
+RECEIVER = """
+import asyncio
+from inferlet import session
+
+async def main(input):
+    session.send("ready")
+    got = []
+    for _ in range(input["count"]):
+        if input.get("slow"):
+            await asyncio.sleep(0.05)
+        got.append(await session.receive_from())
+    plain = await session.receive()          # the documents' receive: the message alone
+    return {"got": got, "plain": plain}
+"""
+
+SENDER = """
+from inferlet import session
+
+async def main(input):
+    for i in range(input["count"]):
+        session.send_to(input["to"], {"i": i})
+    return {"sent": input["count"]}
+"""
+
+STUFFER = """
+from inferlet import session, HostError
+
+async def main(input):
+    sent = 0
+    try:
+        for i in range(input["count"]):
+            session.send_to(input["to"], i)
+            sent += 1
+    except HostError as e:
+        return {"sent": sent, "error": str(e)}
+    return {"sent": sent}
+"""
+
+DEAF = """
+from inferlet import session
+
+async def main(input):
+    session.send("ready")
+    await session.receive_file()              # never reads its mailbox until it gets a file
+    return {"left": [await session.receive() for _ in range(input["count"])]}
+"""
+
+TWICE = """
+from inferlet import session, HostError
+
+async def main(input):
+    session.send_to(input["to"], "first")
+    await session.receive()                   # the test says when the peer has ended
+    try:
+        session.send_to(input["to"], "second")
+    except HostError as e:
+        return {"error": str(e)}
+    return {"error": None}
+"""
+
+ONE = """
+from inferlet import session
+
+async def main(input):
+    return {"got": await session.receive()}
+"""
+
+
+@pytest.fixture(scope="module")
+def local(default_model_dir):
+    with Runtime.local("dummy", **SETTINGS) as runtime:
+        yield runtime
+
+
+@pytest.fixture(scope="module")
+def cluster(default_model_dir):
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    with Runtime.connect(model="dummy", **SETTINGS) as runtime:
+        yield runtime
+    ray.shutdown()
+
+
+@pytest.fixture(params=["local", "cluster"])
+def runtime(request):
+    runtime = request.getfixturevalue(request.param)
+    start = _idle(runtime)["kv"]
+    yield runtime
+    end = _idle(runtime)["kv"]
+    assert end["referenced"] == start["referenced"] and end["free"] + end["cached"] == start["free"] + start["cached"]
+
+
+def _idle(runtime: Runtime) -> dict:
+    end = time.monotonic() + 60
+    while True:
+        stats = runtime.stats()
+        if stats["connections"] == 0 and stats["processes"] == 0:
+            return stats
+        assert time.monotonic() < end, stats
+        time.sleep(0.05)
+
+
+def test_each_senders_messages_arrive_in_order_with_its_name(runtime):
+    inbox = runtime.launch(RECEIVER, {"count": 40}, name="inbox")
+    assert next(inbox.events(timeout=60)) == Send("ready")
+    senders = [runtime.launch(SENDER, {"to": "inbox", "count": 20}, name=name) for name in ("alpha", "beta")]
+    assert [s.result(60) for s in senders] == [{"sent": 20}] * 2
+    inbox.send("from the client")
+    result = inbox.result(60)
+    for name in ("alpha", "beta"):
+        assert [m["i"] for sender, m in result["got"] if sender == name] == list(range(20))
+    assert {sender for sender, _ in result["got"]} == {"alpha", "beta"}
+    assert result["plain"] == "from the client"
+
+
+def test_the_client_is_no_sender(runtime):
+    inbox = runtime.launch(RECEIVER, {"count": 1})
+    assert next(inbox.events(timeout=60)) == Send("ready")
+    inbox.send({"hello": 1})
+    inbox.send("bye")
+    assert inbox.result(60) == {"got": [[None, {"hello": 1}]], "plain": "bye"}
+
+
+def test_a_full_mailbox_makes_senders_wait_while_it_drains(runtime):
+    """mailbox_size is 4: ten messages get through a slow reader, in order, none lost."""
+    inbox = runtime.launch(RECEIVER, {"count": 10, "slow": True}, name="slow")
+    assert next(inbox.events(timeout=60)) == Send("ready")
+    assert runtime.launch(SENDER, {"to": "slow", "count": 10}, name="eager").result(60) == {"sent": 10}
+    inbox.send("done")
+    assert [m["i"] for _, m in inbox.result(60)["got"]] == list(range(10))
+
+
+def test_a_mailbox_that_stays_full_fails_the_sender_after_its_timeout(runtime):
+    deaf = runtime.launch(DEAF, {"count": 4}, name="deaf")
+    assert next(deaf.events(timeout=60)) == Send("ready")
+    result = runtime.launch(STUFFER, {"to": "deaf", "count": 10}).result(60)
+    assert result["sent"] == 4 and "mailbox of 'deaf' stayed full for 1 s" in result["error"]
+    deaf.send_file(b"now read")
+    assert deaf.result(60) == {"left": [0, 1, 2, 3]}       # what was taken is kept, in order
+
+
+def test_a_process_that_is_not_running_is_an_error_at_once(runtime):
+    with pytest.raises(InferletError, match="no running inferlet named 'nobody'"):
+        runtime.launch(SENDER, {"to": "nobody", "count": 1}).result(60)
+    peer = runtime.launch(ONE, {}, name="peer")
+    twice = runtime.launch(TWICE, {"to": "peer"})
+    assert peer.result(60) == {"got": "first"}
+    _wait_gone(runtime, "peer")
+    twice.send("go")
+    error = twice.result(60)["error"]
+    assert "'peer'" in error and ("no running inferlet" in error or "has ended" in error)
+
+
+def _wait_gone(runtime: Runtime, name: str) -> None:
+    """Until a process of that name is no longer running (its end reached the runtime's books)."""
+    probe = "from inferlet import session, HostError\nasync def main(input):\n    try:\n" \
+            f"        session.send_to({name!r}, 'probe')\n    except HostError:\n        return 'gone'\n    return 'there'\n"
+    end = time.monotonic() + 30
+    while runtime.launch(probe, {}).result(60) != "gone":
+        assert time.monotonic() < end
+        time.sleep(0.1)
+
