@@ -56,6 +56,9 @@ class EngineConfig:
     max_batch_tokens: int = _doc("most tokens one batched forward pass may hold", default=4096)
     tp: int = _doc("tensor-parallel degree (number of workers a model is split over); it must divide "
                    "the model's attention heads, KV heads, MLP width and vocabulary", default=1)
+    replicas: int = _doc("engines of this model a Ray cluster runs, one per node while there are nodes "
+                         "(GPU nodes on CUDA); each process uses one, its own node's when there is one",
+                         default=1)
     compile: str = _doc('run decode batches through torch.compile: "on", "off", or "auto" (engines that serve '
                         "for long, pie serve's and the cluster's, compile on CUDA and on CPUs with AVX2 or "
                         "better; one-shot runs on CUDA once their graphs are cached). Each batch-size bucket "
@@ -99,6 +102,7 @@ class EngineConfig:
                    compile_max_batch=1, spill_memory_mb=0, fail_batch=0)
         if not self.model:
             raise ConfigError("engine.model must name a model")
+        _check_min(self, "engine", replicas=1)
 
     def check_model(self, cfg: ModelConfig) -> None:
         """Refuse a tensor-parallel size that does not split the model (before any rank starts: a

@@ -6,20 +6,27 @@ running inferlets (processes): a process's `session.send_to` looks its peer's ac
 `Runtime.connect()` (runtime.py) is its client: it asks for an engine (`engine`), then for each
 launch a process name and a warm actor (`launch`), and streams the run from the actor directly
 (forward passes never touch the Controller). The actor reports back with `finished` when the run
-ends, however it ends. It is a plain class underneath; `connect()` finds the running one or
-starts it.
+ends, however it ends, and the runtime with `lost` when the actor died. It is a plain class
+underneath; `connect()` finds the running one or starts it.
+
+A model's engines are its replicas (replicas.py): each launch gets the address of the one its
+actor should use. Engines and inferlet actors are named and detached, so when Ray restarts a dead
+Controller, the new one finds them again (engines by name, processes by asking each inferlet
+actor what it runs) and running programs never notice.
 """
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+import uuid
 from typing import Any
 
 from .config import EngineConfig
+from .replicas import ENGINE_WAIT_S, EngineGone, Replicas
 from .gpu.engine.wire import EngineAddress
 
 NAME, NAMESPACE = "pie_controller", "pie"
+INFERLET_PREFIX = "pie_inferlet:"        # inferlet actor names: pie_inferlet:<uuid>
 ProcessKey = tuple[str | None, str]      # (owner, name): names are per owner
 
 
@@ -34,28 +41,41 @@ class EngineMismatch(ValueError):
     """An engine for the model runs already, with other settings."""
 
 
-@dataclass
-class _Engine:
-    config: EngineConfig
-    actor: Any
-    address: EngineAddress            # with the engine's secret, handed to the runtime's actors only
-
-
 class Controller:
     def __init__(self, pool_size: int = 2):
         self.pool_size = pool_size
-        self.engines: dict[str, _Engine] = {}                   # model -> its engine
+        self.engines: dict[str, Replicas] = Replicas.find()     # model -> its engines (a restart finds them)
         self.idle: list[Any] = []                               # started InferletActors
         self.processes: dict[ProcessKey, dict[str, Any]] = {}   # (owner, name) -> {actor, model, started}
+        self.nodes: dict[Any, str] = {}                         # inferlet actor id -> its node
         self.launches = 0
         self._numbers = itertools.count(1)
+        self._find_actors()
         self._refill()
 
+    def _find_actors(self) -> None:
+        """After a restart: the inferlet actors still alive, running a process or idle."""
+        import ray
+
+        for name in ray.util.list_named_actors():
+            if not name.startswith(INFERLET_PREFIX):
+                continue
+            actor = ray.get_actor(name)
+            try:
+                node, process, engine = ray.get(actor.whereabouts.remote(), timeout=ENGINE_WAIT_S)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                continue
+            self.nodes[actor._actor_id] = node
+            if process is None:
+                self.idle.append(actor)
+                continue
+            model = next((m for m, r in self.engines.items()
+                          if any(tuple(e.address[:2]) == engine for e in r.replicas)), None)
+            self.processes[tuple(process)] = {"actor": actor, "model": model, "started": time.time()}
+
     def _refill(self) -> None:
-        from .inferlet.actor import inferlet_actor
-        cls = inferlet_actor()
         while len(self.idle) < self.pool_size:
-            self.idle.append(cls.remote())      # not awaited: the pool warms up in the background
+            self.idle.append(_new_actor(scheduling_strategy="SPREAD"))   # warms up in the background
 
     def engine(self, config: EngineConfig, long_lived: bool = True) -> tuple[Any, EngineAddress]:
         """The engine of `config.model` (its actor, and its data-plane address with the secret),
@@ -64,15 +84,13 @@ class Controller:
         reused silently for settings it does not have."""
         running = self.engines.get(config.model)
         if running is None:
-            from .gpu.engine.actor import start_engine_actor
-            actor, address = start_engine_actor(config, long_lived=long_lived)
-            running = self.engines[config.model] = _Engine(config, actor, address)
+            running = self.engines[config.model] = Replicas.start(config, long_lived)
         elif running.config != config:
             raise EngineMismatch(
                 f"the cluster's engine for {config.model!r} runs with other settings: "
                 f"{'; '.join(running.config.differences(config))}. Ask with its settings, or restart "
                 "the cluster to change them")
-        return running.actor, running.address
+        return running.first.actor, running.first.address
 
     def acquire(self) -> Any:
         """A warm inferlet actor, for one run; give it back with `release`."""
@@ -92,16 +110,21 @@ class Controller:
         self.idle.append(actor)
         if len(self.idle) > 2 * self.pool_size:
             import ray
-            ray.kill(self.idle.pop(0))
+            retired = self.idle.pop(0)
+            self.nodes.pop(retired._actor_id, None)
+            ray.kill(retired)
 
     # ---- processes ---------------------------------------------------------------------------
 
     def launch(self, model: str, name: str | None = None, owner: str | None = None,
-               node: str | None = None) -> dict[str, Any]:
+               node: str | None = None, prefix: list[int] | None = None) -> dict[str, Any]:
         """Start a process of `model` (whose engine `engine` started) for `owner`: {"process": its
         (owner, name), "actor": a warm InferletActor, or with `node` (a node id or IP) a new one on
-        that node (the pool is node-agnostic)}. The caller runs `actor.run.remote(...,
-        process=<that key>, controller=<this actor>)`."""
+        that node (the pool is node-agnostic), "engine": the address of the replica it uses (on
+        the actor's node, else the one caching most of `prefix`, the first pass's tokens when
+        known, else the least loaded)}. The caller runs `actor.run.remote(..., <that address>,
+        process=<that key>, controller=<this actor>)`. An engine that died and did not come back
+        is an EngineGone."""
         if name is not None and (owner, name) in self.processes:
             raise ValueError(f"a process named {name!r} is already running")
         if model not in self.engines:
@@ -110,8 +133,36 @@ class Controller:
         while (owner, name) in self.processes:           # a user took that name before us
             name = f"inferlet-{next(self._numbers)}"
         actor = self.acquire() if node is None else _actor_on(node)
+        replicas = self.engines[model]
+        try:
+            replica = replicas.choose(self._node_of(actor) if len(replicas.replicas) > 1 else None, prefix, owner)
+        except EngineGone:
+            self.release(actor)
+            raise
         self.processes[owner, name] = {"actor": actor, "model": model, "started": time.time()}
-        return {"process": (owner, name), "actor": actor}
+        return {"process": (owner, name), "actor": actor, "engine": replica.address}
+
+    def _node_of(self, actor: Any) -> str | None:
+        """The node of an inferlet actor (asked once; None if it died)."""
+        import ray
+
+        if actor._actor_id not in self.nodes:
+            try:
+                self.nodes[actor._actor_id] = ray.get(actor.whereabouts.remote(), timeout=ENGINE_WAIT_S)[0]
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                return None
+        return self.nodes[actor._actor_id]
+
+    def lost(self, key: ProcessKey) -> None:
+        """A process's actor died (its runtime saw the run's stream break): forget the name; the
+        actor is not pooled again."""
+        import ray
+
+        process = self.processes.pop(key, None)
+        if process is not None:
+            self.nodes.pop(process["actor"]._actor_id, None)
+            ray.kill(process["actor"])
+            self._refill()
 
     def finished(self, key: ProcessKey) -> None:
         """A process's run ended (its actor reports it): forget the name, pool the actor. (The
@@ -142,7 +193,8 @@ class Controller:
 
     def status(self) -> dict[str, Any]:
         now = time.time()
-        return {"engines": {m: [e.address.host, e.address.port] for m, e in self.engines.items()},   # no secret
+        return {"engines": {m: [r.first.address.host, r.first.address.port] for m, r in self.engines.items()},   # no secret
+                "replicas": {m: r.status() for m, r in self.engines.items()},
                 "processes": [{"owner": o, "name": n, "model": p["model"], "running_s": round(now - p["started"], 3)}
                               for (o, n), p in self.processes.items()],
                 "idle_actors": len(self.idle), "launches": self.launches}
@@ -153,19 +205,27 @@ def _actor_on(node: str) -> Any:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from .inferlet.actor import inferlet_actor
-
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     for n in nodes:
         if node in (n["NodeID"], n["NodeManagerAddress"]):
             strategy = NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
-            return inferlet_actor().options(scheduling_strategy=strategy).remote()
+            return _new_actor(scheduling_strategy=strategy)
     known = ", ".join(f"{n['NodeID']} at {n['NodeManagerAddress']}" for n in nodes)
     raise ValueError(f"no live node {node!r} in this cluster (nodes: {known})")
 
 
+def _new_actor(**options: Any) -> Any:
+    """A new InferletActor, named and detached: it outlives a Controller that dies (its run goes
+    on), and the restarted Controller finds it by its name."""
+    from .inferlet.actor import inferlet_actor
+
+    return inferlet_actor().options(name=f"{INFERLET_PREFIX}{uuid.uuid4().hex}", lifetime="detached",
+                                    **options).remote()
+
+
 def connect(pool_size: int = 2) -> Any:
-    """The cluster's Controller actor, started (detached) if none runs. Call after ray.init()."""
+    """The cluster's Controller actor, started (detached, restarted by Ray when it dies) if none
+    runs. Call after ray.init()."""
     import ray
-    return ray.remote(num_cpus=0)(Controller).options(
+    return ray.remote(num_cpus=0, max_restarts=-1)(Controller).options(
         name=NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True).remote(pool_size)

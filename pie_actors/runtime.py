@@ -18,7 +18,8 @@ import itertools
 import os
 import socket
 import threading
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
 from .config import Config, RunLimits, load
 from .gpu.engine.wire import EngineAddress
@@ -26,6 +27,7 @@ from .inferlet.peers import UnknownProcess
 from .kvstore import UnknownSaved
 from .process import Done, Failed, Process
 from .program import Program
+from .replicas import EngineGone
 
 __all__ = ["Runtime"]
 
@@ -252,12 +254,15 @@ class _Cluster:
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, ValueError):       # the name is taken
                 raise ValueError(str(e.cause)) from None
+            if isinstance(e.cause, EngineGone):
+                raise EngineGone(str(e.cause)) from None
             raise
         key, actor = launched["process"], launched["actor"]
         process = Process(key[1], _ActorControl(actor, key))
-        stream = actor.run.remote(program, input, self.address, limits, files=files, process=key,
+        stream = actor.run.remote(program, input, launched["engine"], limits, files=files, process=key,
                                   controller=self.controller)
-        asyncio.run_coroutine_threadsafe(_pump(stream, process), self.loop)
+        lost = partial(self.controller.lost.remote, key)
+        asyncio.run_coroutine_threadsafe(_pump(stream, process, lost), self.loop)
         return process
 
     def saved(self, owner: str | None) -> list[dict[str, Any]]:
@@ -281,7 +286,8 @@ class _Cluster:
         stats = ray.get(self.engine_actor.stats.remote())
         status = ray.get(self.controller.status.remote())
         model = self.config.engine.model
-        return {**stats, "processes": sum(p["model"] == model for p in status["processes"])}
+        return {**stats, "processes": sum(p["model"] == model for p in status["processes"]),
+                "replicas": status["replicas"].get(model, [])}
 
     def close(self) -> None:
         import ray
@@ -296,8 +302,9 @@ class _Cluster:
             ray.shutdown()
 
 
-async def _pump(stream: Any, process: Process) -> None:
-    """Hand the events of an actor's run to its Process as they arrive."""
+async def _pump(stream: Any, process: Process, lost: Callable[[], Any]) -> None:
+    """Hand the events of an actor's run to its Process as they arrive; `lost` tells the
+    Controller when the actor died under the run."""
     last = None
     try:
         async for ref in stream:
@@ -309,6 +316,7 @@ async def _pump(stream: Any, process: Process) -> None:
     except Exception as e:            # the actor died, or its task failed outside the run
         last = Failed("trap", f"the inferlet's actor failed: {type(e).__name__}: {e}")
         process.emit(last)
+        lost()
     if not isinstance(last, (Done, Failed)):
         process.emit(Failed("trap", f"process {process.name!r} ended without a result"))
 
@@ -346,5 +354,7 @@ def _init_ray(address: str | None) -> None:
 
     from .controller import NAMESPACE
 
-    ray.init(address=cluster_address(address) or "local",    # none running: a local one, for this runtime
-             namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR", configure_logging=False)
+    found = cluster_address(address)
+    own = {} if found else {"include_dashboard": False}    # none running: a local one, for this runtime
+    ray.init(address=found or "local", **own, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR",
+             configure_logging=False)

@@ -38,6 +38,15 @@ class InferletActor:
         """For warm pools: returns once the sandbox is loaded."""
         return True
 
+    def whereabouts(self) -> tuple[str, Any, tuple[str, int] | None]:
+        """(its Ray node, the (owner, name) of the run in progress and the (host, port) of its
+        engine, or None twice): what the Controller asks of its actors (a replica on the same node;
+        its processes after it restarts)."""
+        import ray
+        with self._lock:
+            engine = None if self._run is None else tuple(self._run.engine_address[:2])
+            return ray.get_runtime_context().get_node_id(), self._process, engine
+
     def run(self, program: Program, input: Any, engine_address: EngineAddress, limits: RunLimits, *,
             files: dict[str, bytes] | None = None, process: Any = None,
             controller: Any = None) -> Iterator[Event]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...config import EngineConfig
+from ...kvstore import partition_root
 from . import wire
 from .data_plane import serve_model
 
@@ -36,6 +37,10 @@ class EngineActor:
         import ray
         return ray.get_runtime_context().get_node_id()
 
+    def describe(self) -> tuple[EngineConfig, Any, str]:
+        """(config, address, node): what a restarted Controller needs to know of this engine."""
+        return self.config, self.address(), self.node()
+
     def placement(self) -> dict[str, Any]:
         """The placement group of rank 0 and of each further rank (None: none), by id."""
         import ray
@@ -44,10 +49,10 @@ class EngineActor:
         ranks = ray.get([a.placement_group.remote() for a in remote[1]]) if remote else []
         return {"rank0": pg.id.hex() if pg else None, "ranks": ranks}
 
-    def cached_prefix(self, tokens: list[int]) -> int:
-        """How many leading tokens of `tokens` this engine's prefix cache holds (a routing hint:
-        the pages may be evicted before a pass uses them)."""
-        return self.engine.kv.cached_prefix(tokens)
+    def cached_prefix(self, tokens: list[int], owner: str | None = None) -> int:
+        """How many leading tokens of `tokens` this engine's prefix cache holds for `owner`'s
+        processes (a routing hint: the pages may be evicted before a pass uses them)."""
+        return self.engine.kv.cached_prefix(tokens, partition_root(self.server.secret, owner))
 
     def info(self) -> wire.Info:
         return self.server.info

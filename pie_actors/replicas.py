@@ -1,0 +1,113 @@
+"""The engine replicas of one model, as the Controller keeps them.
+
+`Replicas.start` starts `config.replicas` engine actors, one per node while there are nodes that
+hold one (placement.replica_nodes). Each is a named, detached actor that Ray restarts (on a new
+port) when it dies, so a restarted Controller finds its engines again (`Replicas.find`) and running
+programs never depend on the Controller staying up. `choose` picks the replica a new process
+connects to (placement.choose_replica) and counts each choice by its reason.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import EngineConfig
+from .placement import ReplicaView, choose_replica, engine_resources, replica_nodes, uses_gpus
+
+ENGINE_PREFIX = "pie_engine:"     # engine actor names: pie_engine:<replica>:<model>
+ENGINE_RESTARTS = 3               # times Ray restarts a dead engine actor
+ENGINE_WAIT_S = 300.0             # the longest a launch waits for an engine (a restart loads the model)
+
+
+class EngineGone(RuntimeError):
+    """A model's engine died and did not come back (in time)."""
+
+
+@dataclass
+class Replica:
+    actor: Any
+    address: Any                  # what EngineActor.address returns
+    node: str                     # the Ray node it runs on
+    chosen: Counter[str] = field(default_factory=Counter)   # processes it was chosen for, by reason
+
+
+class Replicas:
+    """One model's engines, replica 0 first."""
+
+    def __init__(self, config: EngineConfig, replicas: list[Replica]) -> None:
+        self.config, self.replicas = config, replicas
+
+    @classmethod
+    def start(cls, config: EngineConfig, long_lived: bool = True) -> Replicas:
+        """Start `config.replicas` engines and wait until each serves."""
+        import ray
+
+        from .gpu.engine.actor import start_engine_actor
+
+        resources = engine_resources(config, uses_gpus(config, ray.cluster_resources().get("GPU", 0)))
+        started = []
+        for i, node in enumerate(replica_nodes(ray.nodes(), resources, config.replicas)):
+            actor, address = start_engine_actor(config, name=f"{ENGINE_PREFIX}{i}:{config.model}", detached=True,
+                                                node=node, long_lived=long_lived, max_restarts=ENGINE_RESTARTS)
+            started.append(Replica(actor, address, ray.get(actor.node.remote())))
+        return cls(config, started)
+
+    @classmethod
+    def find(cls) -> dict[str, Replicas]:
+        """The engines running in this namespace, by model (a restarted Controller's view)."""
+        import ray
+
+        found: dict[str, list[tuple[int, EngineConfig, Replica]]] = {}
+        for name in ray.util.list_named_actors():
+            if not name.startswith(ENGINE_PREFIX):
+                continue
+            actor = ray.get_actor(name)
+            try:
+                config, address, node = ray.get(actor.describe.remote(), timeout=ENGINE_WAIT_S)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                continue                                      # died for good: not an engine any more
+            index = int(name[len(ENGINE_PREFIX):].split(":", 1)[0])
+            found.setdefault(config.model, []).append((index, config, Replica(actor, address, node)))
+        return {model: cls(entries[0][1], [r for _, _, r in sorted(entries, key=lambda e: e[0])])
+                for model, entries in found.items()}
+
+    @property
+    def first(self) -> Replica:
+        return self.replicas[0]
+
+    def choose(self, node: str | None, prefix: list[int] | None = None, owner: str | None = None) -> Replica:
+        """The replica for a new process of `owner` on `node` whose first pass starts with `prefix`
+        (when known), its address refreshed: a restarted engine serves on a new port."""
+        replica = self.first
+        if len(self.replicas) > 1:
+            local = any(r.node == node for r in self.replicas)
+            cached = [0] * len(self.replicas)
+            if prefix and not local:
+                cached = self._ask([r.actor.cached_prefix.remote(prefix, owner) for r in self.replicas])
+            loads = [0] * len(self.replicas)
+            if not local and not any(cached):
+                loads = [s["sequences"] for s in self._ask([r.actor.stats.remote() for r in self.replicas])]
+            index, reason = choose_replica(
+                [ReplicaView(r.node, c, n) for r, c, n in zip(self.replicas, cached, loads)], node)
+            replica = self.replicas[index]
+            replica.chosen[reason] += 1
+        else:
+            replica.chosen["only"] += 1
+        replica.address = self._ask([replica.actor.address.remote()])[0]
+        return replica
+
+    def _ask(self, refs: list[Any]) -> list[Any]:
+        import ray
+
+        try:
+            return ray.get(refs, timeout=ENGINE_WAIT_S)
+        except ray.exceptions.RayActorError as e:
+            raise EngineGone(f"an engine of {self.config.model!r} died and was not restarted: {e}") from None
+        except ray.exceptions.GetTimeoutError:
+            raise EngineGone(f"an engine of {self.config.model!r} did not answer within {ENGINE_WAIT_S:.0f} s "
+                             "(restarting?)") from None
+
+    def status(self) -> list[dict[str, Any]]:
+        return [{"address": [r.address[0], r.address[1]], "node": r.node, "chosen": dict(r.chosen)}
+                for r in self.replicas]

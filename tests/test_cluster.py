@@ -1,0 +1,167 @@
+"""Two Ray nodes on this machine (ray.cluster_utils.Cluster): an engine replica per node, processes
+on one node driving the engine on the other over the data plane, the replica each process uses
+(its own node's, else by load), and KV pages back on both engines."""
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from pie_actors import Done, Runtime
+from pie_actors.controller import NAMESPACE
+from pie_actors.gpu.engine import Engine
+from pie_actors.replicas import ENGINE_PREFIX
+
+GREEDY = """
+from inferlet.eta import ForwardPass, Pipeline, StateGeometry, WorkingSet, intrinsics, reduce_argmax
+
+async def main(input):
+    tokens, ws, pipe, done = list(input["prompt"]), WorkingSet(), Pipeline(), 0
+    for _ in range(input["n"]):
+        fwd = ForwardPass()
+        fwd.embed(tokens[done:])
+        fwd.state([ws], StateGeometry.folding())
+        out = fwd.epilogue(lambda: reduce_argmax(intrinsics.output(0, "logits")))
+        pipe.submit(fwd)
+        done = len(tokens)
+        tokens.append(await out)
+    pipe.close()
+    return {"tokens": tokens[len(input["prompt"]):]}
+"""
+WAITER = """
+from inferlet import session
+from inferlet.eta import ForwardPass, Pipeline, StateGeometry, WorkingSet, intrinsics, reduce_argmax
+
+async def main(input):
+    ws, pipe = WorkingSet(), Pipeline()
+    fwd = ForwardPass()
+    fwd.embed(list(input["prompt"]))
+    fwd.state([ws], StateGeometry.folding())
+    first = fwd.epilogue(lambda: reduce_argmax(intrinsics.output(0, "logits")))
+    pipe.submit(fwd)
+    await first
+    session.send("ready")
+    return {"got": await session.receive()}
+"""
+DUMMY = dict(model="dummy", device="cpu", dtype="float32", compile="off", num_pages=64, num_threads=1)
+
+
+class _Nodes(dict):
+    """Node ids by letter; `.cluster` is the Cluster."""
+
+    def __init__(self, ids: dict[str, str], cluster: Cluster) -> None:
+        super().__init__(ids)
+        self.cluster = cluster
+
+
+@pytest.fixture(scope="module")
+def nodes(default_model_dir):
+    """Node "a" (the head) and node "b", one CPU each, told apart by a custom resource."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 1},
+                                                            "include_dashboard": False})
+    cluster.add_node(num_cpus=1, resources={"node_b": 1})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+    ids = {key[-1]: n["NodeID"] for n in ray.nodes() for key in n["Resources"] if key in ("node_a", "node_b")}
+    yield _Nodes(ids, cluster=cluster)
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster(nodes):
+    return nodes.cluster
+
+
+def _engines(model: str) -> list:
+    return [ray.get_actor(n) for n in sorted(ray.util.list_named_actors()) if n.startswith(ENGINE_PREFIX)
+            and n.endswith(":" + model)]
+
+
+def _referenced(engines: list) -> list[int]:
+    return [s["kv"]["referenced"] for s in ray.get([e.stats.remote() for e in engines])]
+
+
+def _chosen(runtime: Runtime) -> list[Counter]:
+    return [Counter(r["chosen"]) for r in runtime.stats()["replicas"]]
+
+
+def _until(predicate, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
+
+
+def test_replicas_one_per_node_and_each_process_uses_its_nodes(nodes):
+    with Runtime.connect(replicas=2, **DUMMY) as runtime:
+        replicas = runtime.stats()["replicas"]
+        assert sorted(r["node"] for r in replicas) == sorted(nodes.values())      # one on each node
+        engines = _engines("dummy")
+        assert len(engines) == 2 and ray.get([e.node.remote() for e in engines]) == [r["node"] for r in replicas]
+        start, chosen_before = _referenced(engines), _chosen(runtime)
+        before = ray.get([e.stats.remote() for e in engines])
+        for node in ("b", "a", "b"):
+            out = runtime.launch(GREEDY, {"prompt": [1, 2, 3, 4, 5], "n": 4}, node=nodes[node]).result(timeout=120)
+            assert len(out["tokens"]) == 4
+        after = ray.get([e.stats.remote() for e in engines])
+        chosen = {r["node"]: c - b for r, c, b in zip(replicas, _chosen(runtime), chosen_before)}
+        assert chosen[nodes["b"]] == {"local": 2} and chosen[nodes["a"]] == {"local": 1}
+        served = {r["node"]: a["requests"] - b["requests"] for r, a, b in zip(replicas, after, before)}
+        assert served[nodes["b"]] > served[nodes["a"]] > 0         # each process's passes went to its node's
+        _until(lambda: _referenced(engines) == start)
+
+
+def test_a_process_on_one_node_drives_the_engine_on_the_other_exactly(nodes, default_model_dir):
+    settings = dict(model=str(default_model_dir), device="cpu", dtype="float32", compile="off", num_pages=128,
+                    num_threads=1)
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 15424, 8001, 418]]
+    with Runtime.connect(**settings) as runtime:
+        engine_node = runtime.stats()["replicas"][0]["node"]
+        other = next(n for n in nodes.values() if n != engine_node)
+        engines = _engines(str(default_model_dir))
+        start = _referenced(engines)
+        processes = [runtime.launch(GREEDY, {"prompt": p, "n": 10}, node=other) for p in prompts]
+        got = [p.result(timeout=180)["tokens"] for p in processes]
+        _until(lambda: _referenced(engines) == start)
+        host = runtime.stats()["replicas"][0]["address"][0]
+        assert host not in ("127.0.0.1", "0.0.0.0") and host == ray.util.get_node_ip_address()
+    direct = Engine.from_model(str(default_model_dir), device="cpu", dtype="float32", compile="off", num_pages=64)
+    try:
+        assert got == direct.generate(prompts, 10, ignore_eos=True)
+    finally:
+        direct.close()
+
+
+def test_without_a_local_replica_the_prefix_then_the_least_loaded_one_is_chosen(nodes, cluster):
+    """Replicas on nodes a and b; node c, added later, has none. A process on c goes to the replica
+    caching most of its first pass, else to the one with fewer live sequences."""
+    with Runtime.connect(replicas=2, **DUMMY) as runtime:
+        replicas = runtime.stats()["replicas"]
+        on_a = next(i for i, r in enumerate(replicas) if r["node"] == nodes["a"])
+        engines, chosen_before = _engines("dummy"), _chosen(runtime)
+        start = _referenced(engines)
+        node_c = cluster.add_node(num_cpus=1, resources={"node_c": 1})
+        cluster.wait_for_nodes()
+        c = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node_c" in n["Resources"])
+        try:
+            prompt = list(range(1, 40))                     # two full pages of 16 and a tail
+            waiter = runtime.launch(WAITER, {"prompt": prompt}, node=nodes["a"])
+            assert next(iter(waiter.events())).text == "ready"          # it holds a working set on a's
+            lighter = runtime.launch(GREEDY, {"prompt": [7, 8, 9], "n": 2}, node=c)
+            assert len(lighter.result(timeout=120)["tokens"]) == 2
+            controller = ray.get_actor("pie_controller", namespace=NAMESPACE)
+            launched = ray.get(controller.launch.remote("dummy", None, None, c, prompt))
+            ray.get(controller.finished.remote(launched["process"]))
+            waiter.send("go")
+            assert waiter.result(timeout=60)["got"] == "go"
+            chosen = [c - b for c, b in zip(_chosen(runtime), chosen_before)]
+            assert chosen[on_a] == {"local": 1, "prefix": 1}          # a's holds the waiter's pages
+            assert chosen[1 - on_a] == {"least_loaded": 1}            # the idle one, not a's (busy)
+            assert tuple(launched["engine"][:2]) == tuple(replicas[on_a]["address"])
+            _until(lambda: _referenced(engines) == start)
+        finally:
+            cluster.remove_node(node_c)
