@@ -116,7 +116,10 @@ class SpawnOps:
         self._child(args).process.kill(f"killed by its parent {self._peers().sender!r}")
 
     def close(self) -> None:
-        """The run ended: cancel the children that are not detached and still run."""
+        """The run ended: cancel the children that are not detached and still run, and stop
+        reading every child's events (the host loop closes next)."""
         for child in self.children.values():
-            if not child.detached and not child.result.done():
-                child.process.kill(f"its parent {self._peers().sender!r} ended")
+            if not child.result.done():
+                if not child.detached:
+                    child.process.kill(f"its parent {self._peers().sender!r} ended")
+                child.result.cancel()

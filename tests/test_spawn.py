@@ -1,0 +1,188 @@
+"""inferlet.runtime.spawn: an inferlet starts other inferlets (source text or a module of its bundle)
+through the launch API and awaits their results, locally and on a Ray cluster. Children are
+processes of the parent's owner that send_to reaches; they end with their parent unless detached."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from pie_actors import InferletError, Runtime
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+COMPLETION = (EXAMPLES / "completion" / "main.py").read_text()
+PROMPTS = ["The capital of France is", "Water boils at", "The quick brown fox"]
+
+PARENT = """
+import asyncio
+from inferlet import runtime
+
+CHILD = {child!r}
+
+async def main(input):
+    children = [await runtime.spawn(CHILD, {{"prompt": p, "max_tokens": 8}}) for p in input["prompts"]]
+    results = await asyncio.gather(*(c.result() for c in children))
+    return {{"names": [c.name for c in children], "results": results, "me": runtime.name()}}
+"""
+
+MESSAGED = """
+from inferlet import runtime, session
+
+async def main(input):
+    kid = await runtime.spawn("from inferlet import session\\nasync def main(input):\\n"
+                              "    sender, message = await session.receive_from()\\n"
+                              "    return {'sender': sender, 'message': message, 'input': input}\\n",
+                              {"n": 1}, name="kid")
+    session.send_to(kid.name, "hello child")
+    return {"name": kid.name, "child": await kid.result()}
+"""
+
+WAITS = "from inferlet import session\nasync def main(input):\n    return {'got': await session.receive()}\n"
+
+ABANDONS = f"""
+from inferlet import runtime
+
+async def main(input):
+    bound = await runtime.spawn({WAITS!r}, name="bound")
+    free = await runtime.spawn({WAITS!r}, name="free", detached=True)
+    return [bound.name, free.name]
+"""
+
+FAILS = """
+from inferlet import runtime, HostError
+
+async def main(input):
+    child = await runtime.spawn("async def main(input):\\n    raise ValueError('no good')\\n")
+    try:
+        await child.result()
+    except HostError as e:
+        return str(e)
+"""
+
+REFUSED = """
+from inferlet import runtime, HostError
+
+async def main(input):
+    try:
+        await runtime.spawn(input["program"], node=input.get("node"), model=input.get("model"),
+                            name=input.get("name"))
+    except HostError as e:
+        return str(e)
+    return "spawned"
+"""
+
+NODE = """
+from inferlet import runtime
+
+async def main(input):
+    child = await runtime.spawn("async def main(input):\\n    return input\\n", {"x": 1}, node=input["node"])
+    return await child.result()
+"""
+
+
+@pytest.fixture(scope="module")
+def local(default_model_dir):
+    with Runtime.local(str(default_model_dir), dtype="float32", num_pages=256, compile="off",
+                       timeout_s=120) as runtime:
+        yield runtime
+
+
+@pytest.fixture(scope="module")
+def cluster(default_model_dir):
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    with Runtime.connect(model=str(default_model_dir), dtype="float32", num_pages=256, compile="off",
+                         timeout_s=120) as runtime:
+        yield runtime
+    ray.shutdown()
+
+
+@pytest.fixture(params=["local", "cluster"])
+def runtime(request):
+    runtime = request.getfixturevalue(request.param)
+    start = _idle(runtime)["kv"]
+    yield runtime
+    end = _idle(runtime)["kv"]
+    assert end["referenced"] == start["referenced"] and end["free"] + end["cached"] == start["free"] + start["cached"]
+
+
+def _idle(runtime: Runtime) -> dict:
+    end = time.monotonic() + 60
+    while True:
+        stats = runtime.stats()
+        if stats["connections"] == 0 and stats["processes"] == 0:
+            return stats
+        assert time.monotonic() < end, stats
+        time.sleep(0.05)
+
+
+def _reachable(runtime: Runtime, name: str, message: str = "probe") -> bool:
+    probe = ("from inferlet import session, HostError\nasync def main(input):\n    try:\n"
+             f"        session.send_to({name!r}, {message!r})\n    except HostError:\n        return False\n"
+             "    return True\n")
+    return runtime.launch(probe, {}).result(60)
+
+
+def test_children_from_source_give_the_tokens_of_a_direct_launch(runtime):
+    alone = [runtime.launch(COMPLETION, {"prompt": p, "max_tokens": 8}).result(120) for p in PROMPTS]
+    out = runtime.launch(PARENT.format(child=COMPLETION), {"prompts": PROMPTS}, name="parent").result(120)
+    assert out["results"] == alone and out["me"] == "parent"
+    assert len(set(out["names"])) == len(PROMPTS)
+
+
+def test_a_child_is_reached_by_name_and_knows_its_sender(runtime):
+    out = runtime.launch(MESSAGED, {}, name="mother").result(60)
+    assert out == {"name": "kid", "child": {"sender": "mother", "message": "hello child", "input": {"n": 1}}}
+
+
+def test_a_bundle_spawns_its_own_modules(runtime, tmp_path):
+    (tmp_path / "helper.py").write_text("def shout(s):\n    return s.upper() + '!'\n")
+    (tmp_path / "worker.py").write_text("from helper import shout\n\nasync def main(input):\n"
+                                        "    return shout(input['word'])\n")
+    (tmp_path / "main.py").write_text(
+        "import asyncio\nfrom inferlet import runtime, HostError\n\nasync def main(input):\n"
+        "    kids = [await runtime.spawn('worker', {'word': w}) for w in input['words']]\n"
+        "    try:\n        await runtime.spawn('nothere')\n    except HostError as e:\n        missing = str(e)\n"
+        "    return {'words': await asyncio.gather(*(k.result() for k in kids)), 'missing': missing}\n")
+    out = runtime.launch(tmp_path, {"words": ["a", "bc"]}).result(180)
+    assert out["words"] == ["A!", "BC!"]
+    assert "no module 'nothere'" in out["missing"] and "worker" in out["missing"]
+
+
+def test_children_end_with_their_parent_unless_detached(runtime):
+    assert runtime.launch(ABANDONS, {}).result(60) == ["bound", "free"]
+    end = time.monotonic() + 30
+    while _reachable(runtime, "bound"):           # cancelled when its parent ended
+        assert time.monotonic() < end
+        time.sleep(0.1)
+    assert _reachable(runtime, "free", "you may go")   # still running: this message ends it
+
+
+def test_a_failed_child_fails_its_result_with_its_error(runtime):
+    message = runtime.launch(FAILS, {}).result(60)
+    assert "failed" in message and "ValueError: no good" in message
+
+
+def test_spawning_refuses_clearly(runtime):
+    def refused(**input):
+        return runtime.launch(REFUSED, input).result(60)
+
+    assert "single file, not a bundle" in refused(program="worker")
+    assert "model='other'" in refused(program="async def main(i): pass", model="other") or \
+        "no engine for 'other'" in refused(program="async def main(i): pass", model="other")
+    holder = runtime.launch(WAITS, {}, name="taken")
+    assert "already running" in refused(program="async def main(i): pass", name="taken")
+    holder.send("done")
+    assert holder.result(60) == {"got": "done"}
+
+
+def test_node_placement(local, cluster):
+    with pytest.raises(InferletError, match="Runtime.local runs everything in this process"):
+        local.launch(NODE, {"node": "anywhere"}).result(60)
+    with pytest.raises(InferletError, match="no live node 'nowhere'"):
+        cluster.launch(NODE, {"node": "nowhere"}).result(60)
+    node = ray.get_runtime_context().get_node_id()
+    assert cluster.launch(NODE, {"node": node}).result(60) == {"x": 1}
+    ip = ray.util.get_node_ip_address()
+    assert cluster.launch(NODE, {"node": ip}).result(60) == {"x": 1}
