@@ -137,6 +137,8 @@ class RunLimits:
                                  default=8)
     channel_capacity: int = _doc("what model.channel_capacity() tells programs to ask of a channel that "
                                  "buffers a whole decode", default=1024)
+    kv_pages: int = _doc("KV pages the working sets of the run's owner may hold together, over all its "
+                         "runs (0: no bound; pie serve sets it per key from [serve.quotas])", default=0)
     mailbox_size: int = _doc("messages from other processes (session.send_to) a run's mailbox holds before "
                              "senders wait", default=1024)
     send_timeout_s: float = _doc("the longest session.send_to waits for room in a full mailbox (then it "
@@ -160,6 +162,10 @@ class RunLimits:
             raise ConfigError(f"limits.timeout_s must be positive, got {self.timeout_s!r}")
         _check_min(self, "limits", memory_mb=16, table_elements=1, instances=1, tables=1, memories=1,
                    message_mb=1, run_ahead_window=1, channel_capacity=1, mailbox_size=1, http_response_mb=1)
+        _check_min(self, "limits", kv_pages=0)
+
+
+QUOTA_BOUNDS = ("inferlets", "tokens_per_minute", "kv_pages")     # what [serve.quotas] bounds per key
 
 
 @dataclass(frozen=True)
@@ -184,6 +190,12 @@ class ServeConfig:
                                  "previous_response_id, over all keys; past it the oldest go, with their "
                                  "saved working sets", default=1000)
 
+    quotas: dict[str, dict[str, int]] = _doc(
+        '[serve.quotas]: bounds per API key ("default": every key without its own entry; an entry takes '
+        "the default's other bounds), each a table of inferlets (running at once), tokens_per_minute "
+        '(prompt and completion) and kv_pages (held at once); 0 or left out: no bound, e.g. default = '
+        '{inferlets = 8, tokens_per_minute = 100000}', default_factory=dict)
+
     def __post_init__(self) -> None:
         for name in ("api_keys", "served_model_names"):
             value = getattr(self, name)
@@ -200,6 +212,11 @@ class ServeConfig:
         if not self.idle_timeout_s > 0:
             raise ConfigError(f"serve.idle_timeout_s must be positive, got {self.idle_timeout_s!r}")
         _check_min(self, "serve", detached_buffer=0, stored_responses=1)
+        for key, bounds in self.quotas.items():
+            if not isinstance(bounds, dict) or not all(
+                    name in QUOTA_BOUNDS and type(n) is int and n >= 0 for name, n in bounds.items()):
+                raise ConfigError(f"serve.quotas.{key} must be a table of {', '.join(QUOTA_BOUNDS)}, each a "
+                                  f"non-negative integer; got {bounds!r}")
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,10 @@ class Runtime:
         `processes`, the number of this model's programs running."""
         return self._backend.stats()
 
+    def running(self, owner: str | None = None) -> int:
+        """How many of `owner`'s programs run now: launched, and not yet ended (pie serve's quotas)."""
+        return self._backend.running(owner)
+
     @property
     def engine_address(self) -> EngineAddress:
         """The engine's data-plane address and secret (for EngineClient connections)."""
@@ -174,6 +178,10 @@ class _Local:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {**self.server.stats(), "processes": len(self.runs)}
+
+    def running(self, owner: str | None) -> int:
+        with self._lock:
+            return sum(o == owner for o, _ in self.runs)
 
     def close(self) -> None:
         with self._lock:
@@ -288,6 +296,11 @@ class _Cluster:
         model = self.config.engine.model
         return {**stats, "processes": sum(p["model"] == model for p in status["processes"]),
                 "replicas": status["replicas"].get(model, [])}
+
+    def running(self, owner: str | None) -> int:
+        import ray
+
+        return sum(p["owner"] == owner for p in ray.get(self.controller.status.remote())["processes"])
 
     def close(self) -> None:
         import ray

@@ -59,9 +59,10 @@ an attached client, or answered a "wait", is forgotten too.
 Errors: {"type": "error", "id": R, "code": C, "message": M}, C one of "bad_frame" (not JSON or
 msgpack, not an object, an unknown type, a missing or mistyped field), "missing_key",
 "invalid_key", "not_found", "unavailable" (the engine is loading), "invalid_request" (refused: a
-name in use, a message for a process that has ended, a second key), "server_error" (a fault of
-the server). The connection, and every process, goes on after an error, except "invalid_key": the
-server closes the connection after it (code 1008).
+name in use, a message for a process that has ended, a second key), "rate_limited" (over one of
+the key's quotas, serve/quotas.py), "server_error" (a fault of the server). The connection, and
+every process, goes on after an error, except "invalid_key": the server closes the connection
+after it (code 1008).
 """
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ __all__ = ["PATH", "CODES", "RequestError", "encode", "decode", "binary", "progr
            "program_hash", "event_frame", "frame_event"]
 
 PATH = "/v1/ws"
-CODES = ("bad_frame", "missing_key", "invalid_key", "not_found", "unavailable", "invalid_request", "server_error")
+CODES = ("bad_frame", "missing_key", "invalid_key", "not_found", "unavailable", "invalid_request", "rate_limited",
+         "server_error")
 
 
 class RequestError(Exception):

@@ -160,3 +160,82 @@ def test_an_inferlet_cannot_reach_ray_or_the_engine_socket(monkeypatch):
                        "ctypes": "ModuleNotFoundError", "socket": "PermissionError", "resolve": "LookupError",
                        "subprocess": "OSError"}
         assert runtime.stats()["refused"] == refused     # it did not even get to try the engine
+
+
+# ---- the prefix cache is partitioned; a partition's pages are bounded (the KV store alone) -------
+
+def test_prefix_pages_match_only_within_their_partition():
+    from pie_actors.kvstore import KVStore, partition_root
+
+    kv, secret = KVStore(64, page_size=4), b"s" * 32
+    a, b = partition_root(secret, "owner-a"), partition_root(secret, "owner-b")
+    assert len({a, b, partition_root(secret, None), partition_root(b"t" * 32, "owner-a")}) == 4
+    prompt = list(range(13))                         # three full pages and a token to compute
+
+    def prefill(root: int) -> int:
+        seq = kv.create(root)
+        plan = kv.append(seq, prompt)
+        kv.commit(seq, len(prompt))
+        kv.free(seq)
+        return plan.reused
+
+    assert prefill(a) == 0 and prefill(a) == 12      # the same partition hits: caching is on
+    assert prefill(b) == 0 and prefill(b) == 12      # another misses, then has its own copy
+    assert prefill(partition_root(secret, None)) == 0
+    kv.check()
+
+
+def test_a_partitions_page_bound_refuses_the_allocation_past_it_and_changes_nothing():
+    from pie_actors.kvstore import KVStore, QuotaExceeded
+
+    kv = KVStore(64, page_size=4)
+    kv.limit(7, 3)
+    seq = kv.create(7)
+    kv.append(seq, list(range(8)))                   # two pages
+    kv.commit(seq, 8)
+    child, _ = kv.fork(seq)                          # shares both: no page more
+    kv.append(child, [1, 2, 3])                      # the third
+    before = (kv.stats(), kv.length(seq), kv.length(child))
+    with pytest.raises(QuotaExceeded, match="hold 3 KV pages; 1 more would pass their bound of 3"):
+        kv.append(seq, [9])
+    with pytest.raises(QuotaExceeded):
+        kv.reserve(kv.create(7), 1)
+    assert (kv.stats(), kv.length(seq), kv.length(child)) == before
+    other = kv.create(8)                             # another partition is not bounded by it
+    kv.append(other, list(range(40)))
+    saved, _ = kv.fork(seq, counted=False)           # a saved set is not held by the programs
+    kv.free(child)
+    kv.append(seq, [9])                              # room again once a page returned
+    kv.check()
+    for s in (seq, saved, other):
+        kv.free(s)
+    kv.limit(7, 0)
+    assert kv.stats()["referenced"] == 0
+
+
+def test_tokens_per_minute_count_the_last_minute_only():
+    from pie_actors.serve.auth import owner_of
+    from pie_actors.serve.errors import ApiError
+    from pie_actors.serve.quotas import WINDOW_S, Quotas
+
+    now = [1000.0]
+    quotas = Quotas({"default": {"tokens_per_minute": 100}, "big": {"tokens_per_minute": 0}},
+                    clock=lambda: now[0])
+    small, big = owner_of("small"), owner_of("big")
+    with quotas.launching(small):
+        pass
+    quotas.used(small, 60)
+    now[0] += WINDOW_S / 2
+    quotas.used(small, 50)
+    quotas.used(big, 10**6)
+    with pytest.raises(ApiError) as refused:
+        with quotas.launching(small):
+            pass
+    assert refused.value.kind == "rate_limited" and "110 tokens" in refused.value.message
+    with quotas.launching(big):                     # its own entry: no bound
+        pass
+    now[0] += WINDOW_S / 2 + 1                       # the first 60 left the window
+    assert quotas.tokens_used(small) == 50
+    with quotas.launching(small):
+        pass
+    assert quotas.refused == {"tokens_per_minute": 1}

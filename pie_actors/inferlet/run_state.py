@@ -61,8 +61,8 @@ class RunState:
         self._thread.start()
         self._closed = False
         try:
-            self.client: EngineClient = self._wait(EngineClient.connect(*engine_address, owner=owner),
-                                                   CONNECT_TIMEOUT_S)
+            self.client: EngineClient = self._wait(
+                EngineClient.connect(*engine_address, owner=owner, kv_pages=limits.kv_pages), CONNECT_TIMEOUT_S)
             self.info: wire.Info = self._wait(self.client.info(), CONNECT_TIMEOUT_S)
         except BaseException:
             self._stop_loop()

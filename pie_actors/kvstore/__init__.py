@@ -1,6 +1,6 @@
 """Paged KV bookkeeping: page pool, page tables, prefix index, fork, LRU eviction (no tensors)."""
 
-from .pool import InvalidSlot, KVStoreError, OutOfPages, UnknownSaved, UnknownSequence
+from .pool import InvalidSlot, KVStoreError, OutOfPages, QuotaExceeded, UnknownSaved, UnknownSequence
 from .prefix import ROOT, chain_key, partition_root
 from .store import AppendPlan, KVStore, Mark
 
@@ -11,6 +11,7 @@ __all__ = [
     "KVStoreError",
     "Mark",
     "OutOfPages",
+    "QuotaExceeded",
     "ROOT",
     "UnknownSaved",
     "UnknownSequence",

@@ -19,6 +19,11 @@ class OutOfPages(KVStoreError):
     """Not enough free or evictable pages; the failed call changed nothing."""
 
 
+class QuotaExceeded(OutOfPages):
+    """The pages would take a partition's working sets past its bound (`KVStore.limit`); the
+    failed call changed nothing."""
+
+
 class UnknownSequence(KVStoreError):
     """The sequence id was never created or has been freed."""
 

@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from .pool import InvalidSlot, KVStoreError, OutOfPages, PagePool, UnknownSequence
+from .pool import InvalidSlot, KVStoreError, OutOfPages, PagePool, QuotaExceeded, UnknownSequence
 from .prefix import ROOT, chain_key
 
 
@@ -41,6 +41,7 @@ class _Seq:
     canonical: bool = True
     keys: list[int] = field(default_factory=list)  # chain key of each leading full frozen page
     root: int = ROOT  # its partition's root: the parent key of its first page (prefix.py)
+    counted: bool = True  # its pages count against its partition's bound (saved sets' do not)
 
     @property
     def length(self) -> int:
@@ -59,6 +60,7 @@ class KVStore:
         # Called with the number of pages an allocation lacks, before it fails: the engine evicts
         # saved working sets to make room (gpu/engine/saved.py).
         self.reclaim: Callable[[int], None] | None = None
+        self._bounds: dict[int, int] = {}  # partition root -> pages its counted sequences may hold
 
     # -- sequences ------------------------------------------------------------------------------
 
@@ -77,17 +79,20 @@ class KVStore:
         for page in reversed(s.pages):
             self._pool.decref(page)
 
-    def fork(self, seq: int) -> tuple[int, list[tuple[int, int]]]:
+    def fork(self, seq: int, *, counted: bool = True) -> tuple[int, list[tuple[int, int]]]:
         """Child shares the parent's frozen prefix: full frozen pages are shared (incref), the
         partially filled frozen tail page (if folded % page_size != 0) is copied into a new page.
         Returns (child_id, [(src_page, dst_page)]): the engine copies those KV pages on the device
         before its next batch. Child length == folded == the parent's folded; the parent's
         uncommitted slots are not inherited. The child starts with cached_tokens 0: its prefix
-        came from the parent, not from the prefix cache."""
+        came from the parent, not from the prefix cache. ``counted=False``: the child is a saved
+        working set, whose pages its partition's bound (`limit`) leaves out."""
         s = self._get(seq)
         full, tail = divmod(s.folded, self.page_size)
-        copy = self._allocate(1 if tail else 0)  # before any incref: OutOfPages changes nothing
         shared = s.pages[:full]
+        if counted:
+            self._check_bound(seq, s.root, 1 if tail else 0, shared)   # a saved set's pages are new to it
+        copy = self._allocate(1 if tail else 0)  # before any incref: OutOfPages changes nothing
         for page in shared:
             self._pool.incref(page)
         child = next(self._ids)
@@ -98,6 +103,7 @@ class KVStore:
             canonical=s.canonical,
             keys=list(s.keys),
             root=s.root,
+            counted=counted,
         )
         return child, [(s.pages[full], copy[0])] if tail else []
 
@@ -117,6 +123,8 @@ class KVStore:
         reused = len(hits) * self.page_size
         end = s.length + len(tokens)
         need = max(0, self._pages_for(end) - len(s.pages) - len(hits))
+        if s.counted:
+            self._check_bound(seq, s.root, need, [page for page, _ in hits])
         # Revived pages leave the eviction queue, so they cannot also be evicted to pay for `need`.
         available = self._pool.available() - sum(self._pool.is_cached(page) for page, _ in hits)
         if need > available and self.reclaim is not None:
@@ -158,7 +166,10 @@ class KVStore:
     def reserve(self, seq: int, end: int) -> None:
         """Ensure pages exist for slots [0, end), for explicit geometry writes. Length is unchanged."""
         s = self._get(seq)
-        s.pages += self._allocate(max(0, self._pages_for(end) - len(s.pages)))
+        need = max(0, self._pages_for(end) - len(s.pages))
+        if s.counted:
+            self._check_bound(seq, s.root, need)
+        s.pages += self._allocate(need)
 
     def slots_for(
         self, seq: int, local_slots: list[int], tokens: list[int], *, canonical: bool
@@ -245,10 +256,10 @@ class KVStore:
     def restore(self, tokens: list[int], root: int = ROOT) -> int:
         """A new canonical sequence holding `tokens`, all frozen, in partition ``root``, whose KV the
         caller writes into its pages (`kv_pages`) before any pass reads them: a saved working set
-        back from host memory."""
+        back from host memory (left out of its partition's bound, as `fork(counted=False)`)."""
         pages = self._allocate(self._pages_for(len(tokens)))
         seq = next(self._ids)
-        self._seqs[seq] = _Seq(pages=pages, tokens=list(tokens), folded=len(tokens), root=root)
+        self._seqs[seq] = _Seq(pages=pages, tokens=list(tokens), folded=len(tokens), root=root, counted=False)
         self.commit(seq, None)
         return seq
 
@@ -293,6 +304,32 @@ class KVStore:
     def root(self, seq: int) -> int:
         """The root key of its prefix partition."""
         return self._get(seq).root
+
+    # -- bounds per partition -------------------------------------------------------------------
+
+    def limit(self, root: int, pages: int) -> None:
+        """Bound the distinct pages the sequences of partition ``root`` hold together (0: no bound):
+        an allocation that would pass it raises QuotaExceeded."""
+        if pages:
+            self._bounds[root] = pages
+        else:
+            self._bounds.pop(root, None)
+
+    def held(self, root: int) -> set[int]:
+        """The pages the counted sequences of partition ``root`` hold."""
+        return {p for s in self._seqs.values() if s.root == root and s.counted for p in s.pages}
+
+    def _check_bound(self, seq: int, root: int, allocate: int, attach: Iterable[int] = ()) -> None:
+        """Raise QuotaExceeded if ``allocate`` new pages and the pages ``attach`` take partition
+        ``root`` past its bound."""
+        bound = self._bounds.get(root)
+        if bound is None or not (allocate or attach):
+            return
+        held = self.held(root)
+        new = allocate + len(set(attach) - held)
+        if len(held) + new > bound:
+            raise QuotaExceeded(f"sequence {seq}: its owner's working sets hold {len(held)} KV pages; "
+                                f"{new} more would pass their bound of {bound}")
 
     def history(self, seq: int) -> list[int]:
         """The tokens of the frozen prefix, which a prefill of them recomputes exactly. Only a

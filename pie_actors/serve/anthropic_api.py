@@ -21,6 +21,7 @@ __all__ = ["API", "ROUTES"]
 _ERRORS = {"invalid_request": (400, "invalid_request_error"), "context_length_exceeded": (400, "invalid_request_error"),
            "missing_key": (401, "authentication_error"), "invalid_key": (401, "authentication_error"),
            "not_found": (404, "not_found_error"), "unavailable": (503, "overloaded_error"),
+           "rate_limited": (429, "rate_limit_error"),
            "server_error": (500, "api_error")}
 
 

@@ -22,7 +22,8 @@ __all__ = ["API", "ROUTES", "json_schema"]
 # The real API's answers: no key is 403, a wrong key 400.
 _ERRORS = {"invalid_request": (400, "INVALID_ARGUMENT"), "context_length_exceeded": (400, "INVALID_ARGUMENT"),
            "missing_key": (403, "PERMISSION_DENIED"), "invalid_key": (400, "INVALID_ARGUMENT"),
-           "not_found": (404, "NOT_FOUND"), "unavailable": (503, "UNAVAILABLE"), "server_error": (500, "INTERNAL")}
+           "not_found": (404, "NOT_FOUND"), "unavailable": (503, "UNAVAILABLE"), "server_error": (500, "INTERNAL"),
+           "rate_limited": (429, "RESOURCE_EXHAUSTED")}
 
 
 def _shape(error: ApiError) -> tuple[int, dict]:

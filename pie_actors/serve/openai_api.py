@@ -24,6 +24,7 @@ _ERRORS = {"invalid_request": (400, "invalid_request_error", None),
            "missing_key": (401, "invalid_request_error", "invalid_api_key"),
            "invalid_key": (401, "invalid_request_error", "invalid_api_key"),
            "not_found": (404, "invalid_request_error", "model_not_found"),
+           "rate_limited": (429, "rate_limit_exceeded", "rate_limit_exceeded"),
            "unavailable": (503, "server_error", "engine_loading"),
            "server_error": (500, "server_error", None)}
 

@@ -198,14 +198,17 @@ class EngineServer:
             answer = wire.unpack(body)
         except Exception:                       # gone, too slow, too large, not msgpack: no proof
             answer = None
-        owner = answer.get("owner") if isinstance(answer, dict) else None
-        if not wire.proves(self.secret, nonce, answer) or not (owner is None or isinstance(owner, str)):
+        owner, pages = (answer.get("owner"), answer.get("kv_pages", 0)) if isinstance(answer, dict) else (None, 0)
+        if not wire.proves(self.secret, nonce, answer) or not (owner is None or isinstance(owner, str)) \
+                or type(pages) is not int or pages < 0:
             self.refused += 1
             writer.write(wire.pack(wire.error(None, "Unauthorized", "the connection did not prove the engine's "
                                               "secret: the handshake answers the hello with its HMAC")))
             return None
+        partition = partition_root(self.secret, owner)
+        self.engine.limit_pages(partition, pages)
         writer.write(wire.pack(wire.reply(None, "ready")))
-        return partition_root(self.secret, owner)
+        return partition
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         partition = await self._handshake(reader, writer)

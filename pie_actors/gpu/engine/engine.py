@@ -147,6 +147,11 @@ class Engine:
         with self._lock:
             self.kv.free(seq)
 
+    def limit_pages(self, partition: int, pages: int) -> None:
+        """Bound the KV pages the working sets of `partition` hold together (0: no bound)."""
+        with self._lock:
+            self.kv.limit(partition, pages)
+
     def reserve(self, seq: int, end: int) -> None:
         """Pages for local slots [0, end), for passes with explicit geometry."""
         with self._lock:

@@ -64,7 +64,7 @@ class SavedSets:
     def save(self, seq: int, key: Key) -> tuple[int, list[tuple[int, int]]]:
         """Keep `seq`'s frozen prefix under `key`, replacing what was saved there. Returns its
         number of tokens and the page copies the fork needs."""
-        child, copies = self.kv.fork(seq)
+        child, copies = self.kv.fork(seq, counted=False)   # the owner's programs do not hold it
         try:
             tokens = self.kv.history(child)
             if not tokens:

@@ -2,12 +2,13 @@
 
 A connection first proves the engine's secret (`EngineAddress.secret`, made when the engine starts
 and handed by the runtime to its own actors only). The server opens with `{"hello": nonce}` (32
-random bytes); the client answers `{"auth": proof(secret, nonce), "owner": str | nil}` (an HMAC
-of the nonce: the secret itself never crosses the socket); the server replies `{"id": nil,
-"result": "ready"}`, or an Unauthorized error frame and closes, before it reads any request.
-`owner` is the owner of the program the connection serves: the engine derives the connection's
-prefix-cache partition from it with its secret (kvstore/prefix.py), so only that owner's
-connections share cached pages.
+random bytes); the client answers `{"auth": proof(secret, nonce), "owner": str | nil,
+["kv_pages": n]}` (an HMAC of the nonce: the secret itself never crosses the socket); the server
+replies `{"id": nil, "result": "ready"}`, or an Unauthorized error frame and closes, before it
+reads any request. `owner` is the owner of the program the connection serves: the engine derives
+the connection's prefix-cache partition from it with its secret (kvstore/prefix.py), so only that
+owner's connections share cached pages. `kv_pages` bounds the pages that owner's working sets hold
+together (0: no bound); past it an allocation fails with QuotaExceeded.
 
 A client sends requests `{"id": int, "op": str, ...fields}`; the engine answers each with
 `{"id": id, "result": ...}` or `{"id": id, "error": {"type": str, "message": str}}`. Many requests
@@ -55,7 +56,7 @@ subscribed channel, or {"push": "chan", "chan": id, "error": message} when a fai
 that connects knows it from the launch: programs never reach the data plane themselves.
 
 Error types: Unauthorized (the handshake failed), BadFrame, BadRequest, UnknownSequence (never created, already freed, or another
-connection's), PassError, OutOfPages, InvalidSlot, KVStoreError, UnknownSaved, EpilogueError; anything else is
+connection's), PassError, OutOfPages, QuotaExceeded (the owner's kv_pages bound), InvalidSlot, KVStoreError, UnknownSaved, EpilogueError; anything else is
 the name of an unexpected engine exception.
 
 Tensors travel as msgpack extension type TENSOR_EXT: dtype char (struct format, e.g. "f"), ndim,
