@@ -46,6 +46,8 @@ def bounded(case: schemathesis.Case) -> None:
         body["model"] = "default"
     if case.path.endswith(("/chat/completions", "/completions", "/messages")):
         _cap(body, TOKEN_LIMITS)
+    elif case.path.endswith("/responses"):
+        _cap(body, {"max_output_tokens": 4})
     elif case.path.endswith("generateContent"):
         config = body.get("generationConfig")
         if not isinstance(config, dict):
@@ -76,4 +78,6 @@ def test_no_5xx_and_only_documented_statuses(server, mode):
 
 
 def test_the_server_is_idle_after_it(server):
+    for saved in server.runtime.saved(None):          # the stored responses' working sets, kept on purpose
+        server.runtime.delete_saved(saved["name"])
     assert idle(server)["kv"]["referenced"] == 0

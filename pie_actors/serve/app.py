@@ -14,8 +14,8 @@ from starlette.routing import Route as StarletteRoute
 from starlette.routing import WebSocketRoute
 
 from ..ws_protocol import PATH as WS_PATH
-from . import anthropic_api, gemini_api, openai_api, ws
-from .auth import check_key, presented_key
+from . import anthropic_api, gemini_api, openai_api, responses_api, ws
+from .auth import check_key, owner_of, presented_key
 from .errors import ApiError
 from .openapi import document
 from .routes import Route, Serving, parse
@@ -49,7 +49,8 @@ SERVICE_ROUTES = [
           engine=False),
     Route("GET", "/openapi.json", API, openapi_json, "This document.", engine=False),
 ]
-ROUTES: list[Route] = [*gemini_api.ROUTES, *openai_api.ROUTES, *anthropic_api.ROUTES, *SERVICE_ROUTES]
+ROUTES: list[Route] = [*gemini_api.ROUTES, *openai_api.ROUTES, *responses_api.ROUTES, *anthropic_api.ROUTES,
+                       *SERVICE_ROUTES]
 OPENAPI = document(ROUTES, "pie serve", "1")
 
 
@@ -58,6 +59,8 @@ def _endpoint(route: Route, serving: Serving, keys: Collection[str]):
         try:
             if keys and not route.public:
                 check_key(presented_key(request), keys)
+            # whose processes and stored responses these are (a server without keys has one user)
+            request.state.owner = owner_of(presented_key(request)) if keys else None
             if route.engine and serving.endpoints is None:
                 raise ApiError("unavailable", serving.loading_error or "the engine is still loading")
             body = await parse(request, route.body) if route.body is not None else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Mapping
 
@@ -27,7 +28,7 @@ CHAT, DETOKENIZE = ENDPOINTS / "chat.py", ENDPOINTS / "detokenize.py"
 GEMINI_GENERATE, GEMINI_COUNT = "/v1beta/models/{model}:generateContent", "/v1beta/models/{model}:countTokens"
 # endpoint key -> the built-in program
 ENDPOINT_KEYS: dict[str, Path] = {
-    "/v1/chat/completions": CHAT, "/v1/completions": CHAT, "/v1/messages": CHAT,
+    "/v1/chat/completions": CHAT, "/v1/completions": CHAT, "/v1/responses": CHAT, "/v1/messages": CHAT,
     "/v1/messages/count_tokens": CHAT, GEMINI_GENERATE: CHAT, GEMINI_COUNT: CHAT,
     "/tokenize": CHAT, "/detokenize": DETOKENIZE,
 }
@@ -53,10 +54,12 @@ class Endpoints:
         self.metrics = metrics
         self.runtime: Any = None
 
-    async def launch(self, key: str, input: dict[str, Any]) -> Call:
+    async def launch(self, key: str, input: dict[str, Any], owner: str | None = None) -> Call:
+        """Launch endpoint `key` on `input`, as `owner`'s process (the saved working sets it
+        opens and saves are that owner's)."""
         arrived = time.monotonic()
-        process = await asyncio.get_running_loop().run_in_executor(None, self.runtime.launch,
-                                                                   self.programs[key], input)
+        launch = partial(self.runtime.launch, self.programs[key], input, owner=owner)
+        process = await asyncio.get_running_loop().run_in_executor(None, launch)
         return Call(process, arrived, self.metrics)
 
 

@@ -14,7 +14,7 @@ __all__ = ["document"]
 ERRORS = {"400": "A malformed body, a bad field, or a prompt over the model's context.",
           "401": "A missing or wrong API key (OpenAI, Anthropic).",
           "403": "No API key (Gemini).",
-          "404": "An unknown model.",
+          "404": "An unknown model, or a stored response this key does not have.",
           "500": "The endpoint inferlet failed.",
           "503": "The engine is still loading."}
 SECURITY = {"bearer": {"type": "http", "scheme": "bearer"},

@@ -19,6 +19,7 @@ from .errors import ApiError
 from .inferlets import Call, ClientGone, Endpoints
 from .metrics import Metrics
 from .sessions import Sessions
+from .stored import StoredResponses
 from .sse import EventStream, frame
 
 __all__ = ["Api", "Route", "Serving", "Shape", "parse", "answer", "count"]
@@ -67,7 +68,8 @@ class Route:
 @dataclass
 class Serving:
     """What the handlers share: the model's names, its endpoints (None while the engine loads),
-    the runtime, the metrics, and the processes launched over the WebSocket."""
+    the runtime, the metrics, the processes launched over the WebSocket, and the responses stored
+    by /v1/responses."""
 
     model: str
     names: tuple[str, ...]
@@ -76,6 +78,7 @@ class Serving:
     runtime: Any = None
     endpoints: Endpoints | None = None
     loading_error: str | None = field(default=None)
+    responses: StoredResponses = field(default_factory=StoredResponses)
 
     def check_model(self, name: str) -> str:
         """`name` if the model answers to it; else an ApiError("not_found")."""
@@ -105,22 +108,25 @@ async def parse(request: Request, shape: type[BaseModel]) -> BaseModel:
 
 async def answer(serving: Serving, request: Request, key: str, input: dict[str, Any], stream: bool,
                  respond: Callable[[dict], dict], frames: Callable[[Call, dict], AsyncIterator[str]],
-                 api: Api) -> Response:
-    """Launch endpoint `key` on `input`. Not streaming: `respond(result)` once it has ended.
-    Streaming: wait for its start (a refusal is still an error response), then `frames(call,
-    start)` as server-sent events; a client that leaves ends the inferlet either way."""
-    call = await serving.endpoints.launch(key, {**input, "stream": stream})
+                 api: Api, owner: str | None = None, closed: Callable[[Call], None] = Call.close) -> Response:
+    """Launch endpoint `key` on `input` as `owner`'s process. Not streaming: `respond(result)` once
+    it has ended. Streaming: wait for its start (a refusal is still an error response), then
+    `frames(call, start)` as server-sent events; a client that leaves ends the inferlet either way.
+    `closed(call)` runs once the request is over, however it ended (default: end the inferlet)."""
+    call = await serving.endpoints.launch(key, {**input, "stream": stream}, owner)
     if not stream:
         try:
             return JSONResponse(respond(await call.finish(request.receive)))
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
+        finally:
+            closed(call)
     try:
         start = await call.start()
     except BaseException:
-        call.close()
+        closed(call)
         raise
-    return EventStream(frames(call, start), api.error_frame, call.close)
+    return EventStream(frames(call, start), api.error_frame, lambda: closed(call))
 
 
 async def count(serving: Serving, key: str, input: dict[str, Any]) -> dict[str, Any]:

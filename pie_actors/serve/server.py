@@ -24,6 +24,7 @@ from .inferlets import Endpoints
 from .metrics import Metrics
 from .routes import Serving
 from .sessions import Sessions
+from .stored import StoredResponses
 
 __all__ = ["Server", "served_names", "api_keys"]
 
@@ -63,7 +64,8 @@ class Server:
         self._endpoints = Endpoints(self.config.serve.routes, metrics)
         serve = self.config.serve
         self.serving = Serving(model_name(self.config.engine.model), served_names(self.config), metrics,
-                               Sessions(serve.idle_timeout_s, serve.detached_buffer))
+                               Sessions(serve.idle_timeout_s, serve.detached_buffer),
+                               responses=StoredResponses(serve.stored_responses))
         self._loaded = threading.Event()
         self._uvicorn = None
         self._threads: list[threading.Thread] = []

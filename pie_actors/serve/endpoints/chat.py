@@ -29,6 +29,11 @@ Input (one of "messages" and "prompt"; everything else optional):
   stream        bool (true): false sends no messages; the result holds everything
   count_only    bool: build the prompts only; the result is {"prompt_tokens", "tokens",
                 "max_position"} (tokens: the ids of each prompt)
+  resume        {"name": str, "tokens": [ids]}: a saved working set (ws.save) holding `tokens`.
+                When they begin the prompt, the prompt continues from it and only the rest is
+                computed; otherwise, or when the set is gone, the whole prompt is (prefix cache
+                first). Chat messages and n = 1 only, as for save.
+  save          str: keep the reply's working set under this name once it ends (ws.save)
 
 Messages (session.send of JSON objects), in order:
   {"type": "start", "prompt_tokens", "cached_tokens"}   once, when the prompts are computed
@@ -44,7 +49,8 @@ Messages (session.send of JSON objects), in order:
 
 Result: {"choices": [{"index", "text", "thinking", "tool_calls", "finish_reason",
           "stop_sequence", "logprobs"}], "usage": {"prompt_tokens", "completion_tokens",
-          "cached_tokens"}}; choice i * n + j is prompt i's reply j.
+          "cached_tokens"}}; choice i * n + j is prompt i's reply j. With save, also
+        "saved": {"name", "tokens": the ids the set holds, for a later resume}.
 A request refused before the start message:
         {"error": {"type": "invalid_request" | "context_length_exceeded", "message", "param"}}
 
@@ -161,6 +167,9 @@ class Request:
         self.calls_end_reply = input.get("parallel_tool_calls") is not True
         self.grammar = self._grammar(input.get("response_format") or {})
         self.prompts, self.echoes, self.thinking = self._prompts(input)
+        self.resume, self.save = input.get("resume"), input.get("save")
+        if (self.resume or self.save) and (self.n != 1 or input.get("messages") is None):
+            raise Refused("resume and save take chat messages and one reply (n = 1)", "save")
 
     def _bias(self, bias: dict) -> list | None:
         if not bias:
@@ -535,11 +544,25 @@ class Reply:
 
 # ---- the program -------------------------------------------------------------------------------
 
-async def prefill(prompt: list, replies: list) -> int:
-    """Compute `prompt` once; its last pass draws each reply's first token and each reply gets a
-    working set that shares the prompt (a fork, when there are several). Returns how many prompt
-    tokens were found in pages computed earlier (by any request), and each reply's first token."""
-    root, pipe = WorkingSet(), Pipeline()
+def resumed(resume, prompt: list):
+    """The working set to compute `prompt` into, and how many of its first tokens it holds: the
+    saved set `resume` names when the tokens it holds begin the prompt, else a new one."""
+    held = (resume or {}).get("tokens") or []
+    if not held or len(held) >= len(prompt) or prompt[:len(held)] != held:
+        return WorkingSet(), 0
+    try:
+        ws = WorkingSet.open(resume["name"])
+    except HostError:                  # gone: deleted, or never kept
+        return WorkingSet(), 0
+    return (ws, len(held)) if ws.folded() == len(held) else (WorkingSet(), 0)
+
+
+async def prefill(prompt: list, replies: list, resume=None) -> int:
+    """Compute `prompt` once (what `resume` holds of it is not computed again); its last pass draws
+    each reply's first token and each reply gets a working set that shares the prompt (a fork,
+    when there are several). Returns how many prompt tokens were not computed for this request
+    (found in pages computed earlier, by any request, or resumed), and each reply's first token."""
+    (root, done), pipe = resumed(resume, prompt), Pipeline()
     for reply in replies:
         reply.mask()
     programs = [reply.program for reply in replies]
@@ -548,7 +571,7 @@ async def prefill(prompt: list, replies: list) -> int:
         for program in programs:
             program()
 
-    for start in range(0, len(prompt), PREFILL_CHUNK):
+    for start in range(done, len(prompt), PREFILL_CHUNK):
         fwd = ForwardPass()
         fwd.embed(prompt[start:start + PREFILL_CHUNK])
         fwd.state([root], StateGeometry.folding())
@@ -559,7 +582,8 @@ async def prefill(prompt: list, replies: list) -> int:
     pipe.close()
     for reply in replies:
         reply.ws = root if len(replies) == 1 else root.fork(pipe)
-    return root.cached_tokens(), firsts
+    # a set restored by recomputing its tokens counts only its prefix-cache hits
+    return root.cached_tokens() + (done if root.restored in ("kept", "spilled") else 0), firsts
 
 
 async def main(input: dict) -> dict:
@@ -578,7 +602,7 @@ async def main(input: dict) -> dict:
     rooms = [model.max_position() - len(prompt) for prompt in request.prompts]
     replies = [Reply(i, request, seeds[i], budgets[i // n], rooms[i // n], request.echoes[i // n])
                for i in range(len(seeds))]
-    prefilled = await asyncio.gather(*(prefill(prompt, replies[i * n:(i + 1) * n])
+    prefilled = await asyncio.gather(*(prefill(prompt, replies[i * n:(i + 1) * n], request.resume)
                                        for i, prompt in enumerate(request.prompts)))
     usage = {"prompt_tokens": sum(map(len, request.prompts)), "cached_tokens": sum(c for c, _ in prefilled)}
     if request.stream:
@@ -586,4 +610,8 @@ async def main(input: dict) -> dict:
     firsts = [first for _, group in prefilled for first in group]
     await asyncio.gather(*(reply.run(first) for reply, first in zip(replies, firsts)))
     usage["completion_tokens"] = sum(len(reply.tokens) for reply in replies)
-    return {"choices": [reply.result() for reply in replies], "usage": usage}
+    result = {"choices": [reply.result() for reply in replies], "usage": usage}
+    if request.save:          # the set holds the prompt and the reply, up to the last token it fed
+        held = replies[0].ws.save(request.save)
+        result["saved"] = {"name": request.save, "tokens": (request.prompts[0] + replies[0].tokens)[:held]}
+    return result
