@@ -213,6 +213,8 @@ def _run(args: argparse.Namespace) -> int:
     files = _attached_files(args.file_attach)
     inputs = parse_inputs(args.inputs)
     settings = {"model": args.model, **_engine_settings(args), "timeout_s": args.timeout}
+    if args.allow_host:           # added to the config's list, for this run
+        settings["allow_hosts"] = (*config.load().limits.allow_hosts, *args.allow_host)
     with (Runtime.local if args.local else Runtime.connect)(**settings) as runtime:
         process = runtime.launch(args.file, inputs, name=args.name, files=files)
         try:
@@ -250,6 +252,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                      help="attach a file, read in the inferlet with session.file(NAME) (repeatable)")
     run.add_argument("--files-out", metavar="DIR", help="where files the inferlet sends are written")
     run.add_argument("--name", help="process name (for other inferlets' session.send_to)")
+    run.add_argument("--allow-host", action="append", default=[], metavar="HOST",
+                     help="a host http.fetch may reach in this run, besides [limits] allow_hosts (repeatable)")
     run.add_argument("--local", action="store_true",
                      help="run everything in this process (no Ray): engine, server and sandbox. Default: "
                           "join the Ray cluster at RAY_ADDRESS or on this machine, or start a local one")
