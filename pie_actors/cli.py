@@ -355,14 +355,32 @@ def _client_attach(args: argparse.Namespace) -> int:
             raise
 
 
+def _print_table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
 def _client_ps(args: argparse.Namespace) -> int:
     with _connect(args) as client:
         rows = [("PROCESS", "NAME", "STATE", "ATTACHED", "BUFFERED", "AGE")]
         rows += [(p["process"], p["name"], p["state"], "yes" if p["attached"] else "no", str(p["buffered"]),
                   f"{p['age_s']:.1f}s") for p in client.ps()]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    _print_table(rows)
+    return 0
+
+
+def _client_saved(args: argparse.Namespace) -> int:
+    """`pie-client saved`: this key's saved working sets (ws.save), and where each one is."""
+    with _connect(args) as client:
+        rows = [("NAME", "STATE", "TOKENS")] + [(s["name"], s["state"], str(s["tokens"])) for s in client.saved()]
+    _print_table(rows)
+    return 0
+
+
+def _client_delete_saved(args: argparse.Namespace) -> int:
+    with _connect(args) as client:
+        client.delete_saved(args.name)
     return 0
 
 
@@ -415,6 +433,11 @@ def build_client_parser() -> argparse.ArgumentParser:
     kill = sub.add_parser("kill", parents=[common], help="end a process (its KV pages return)")
     kill.add_argument("process", help="its id")
     kill.set_defaults(handler=_client_kill)
+    sub.add_parser("saved", parents=[common], help="list this key's saved working sets (ws.save): name, state "
+                                                   "(kept, spilled, tokens), tokens").set_defaults(handler=_client_saved)
+    delete = sub.add_parser("delete-saved", parents=[common], help="forget a saved working set (its KV pages return)")
+    delete.add_argument("name", help="its name")
+    delete.set_defaults(handler=_client_delete_saved)
     return parser
 
 
