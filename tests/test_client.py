@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pie_actors import Done, InferletError, Send
+from pie_actors.cli import client_main
 from pie_actors.client import Client, Detached, RequestError
 from pie_actors.inferlet.chat_ops import chat_tokens
 from serve_helpers import KEY, chat_prompt, idle, start
@@ -125,4 +126,18 @@ def test_saved_working_sets_are_listed_and_deleted_under_their_key(server):
         assert client.saved() == []
         with pytest.raises(RequestError, match="no saved working set"):
             client.delete_saved("kept")
+    assert idle(server)["kv"]["referenced"] == 0
+
+
+def test_pie_client_lists_and_deletes_saved_sets(server, capsys):
+    with Client(server.url, KEY) as client:
+        tokens = client.wait(client.submit(SAVER).id, timeout=120)["saved"]
+    where = ["--url", server.url, "--api-key", KEY]
+    assert client_main(["saved", *where]) == 0
+    assert capsys.readouterr().out.splitlines() == ["NAME  STATE  TOKENS", f"kept  kept   {tokens}"]
+    assert client_main(["delete-saved", "kept", *where]) == 0
+    assert client_main(["saved", *where]) == 0
+    assert capsys.readouterr().out.splitlines() == ["NAME  STATE  TOKENS"]
+    assert client_main(["delete-saved", "kept", *where]) == 1
+    assert capsys.readouterr().err == "pie-client: error: not_found: no saved working set named 'kept'\n"
     assert idle(server)["kv"]["referenced"] == 0
