@@ -27,6 +27,7 @@ from .gpu.engine.wire import EngineAddress
 
 NAME, NAMESPACE = "pie_controller", "pie"
 INFERLET_PREFIX = "pie_inferlet:"        # inferlet actor names: pie_inferlet:<uuid>
+CONTROLLER_WAIT_S = 120.0                # the longest a call waits while Ray restarts the Controller
 ProcessKey = tuple[str | None, str]      # (owner, name): names are per owner
 
 
@@ -224,8 +225,24 @@ def _new_actor(**options: Any) -> Any:
 
 
 def connect(pool_size: int = 2) -> Any:
-    """The cluster's Controller actor, started (detached, restarted by Ray when it dies) if none
-    runs. Call after ray.init()."""
+    """The cluster's Controller actor, started (detached, on the head node, restarted by Ray when
+    it dies) if none runs. Call after ray.init()."""
     import ray
-    return ray.remote(num_cpus=0, max_restarts=-1)(Controller).options(
+    head = {"node:__internal_head__": 0.001}
+    return ray.remote(num_cpus=0, max_restarts=-1, resources=head)(Controller).options(
         name=NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True).remote(pool_size)
+
+
+def ask(controller: Any, method: str, *args: Any) -> Any:
+    """`controller.<method>(*args)`'s result, asked again while Ray restarts the Controller (for
+    up to CONTROLLER_WAIT_S, then its ActorUnavailableError)."""
+    import ray
+
+    deadline = time.monotonic() + CONTROLLER_WAIT_S
+    while True:
+        try:
+            return ray.get(getattr(controller, method).remote(*args))
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)

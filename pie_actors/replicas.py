@@ -8,6 +8,7 @@ connects to (placement.choose_replica) and counts each choice by its reason.
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from .placement import ReplicaView, choose_replica, engine_resources, replica_no
 ENGINE_PREFIX = "pie_engine:"     # engine actor names: pie_engine:<replica>:<model>
 ENGINE_RESTARTS = 3               # times Ray restarts a dead engine actor
 ENGINE_WAIT_S = 300.0             # the longest a launch waits for an engine (a restart loads the model)
+VIEW_WAIT_S = 2.0                 # the longest a launch waits for the replicas' load and cache figures
 
 
 class EngineGone(RuntimeError):
@@ -78,35 +80,62 @@ class Replicas:
 
     def choose(self, node: str | None, prefix: list[int] | None = None, owner: str | None = None) -> Replica:
         """The replica for a new process of `owner` on `node` whose first pass starts with `prefix`
-        (when known), its address refreshed: a restarted engine serves on a new port."""
-        replica = self.first
-        if len(self.replicas) > 1:
-            local = any(r.node == node for r in self.replicas)
-            cached = [0] * len(self.replicas)
-            if prefix and not local:
-                cached = self._ask([r.actor.cached_prefix.remote(prefix, owner) for r in self.replicas])
-            loads = [0] * len(self.replicas)
-            if not local and not any(cached):
-                loads = [s["sequences"] for s in self._ask([r.actor.stats.remote() for r in self.replicas])]
-            index, reason = choose_replica(
-                [ReplicaView(r.node, c, n) for r, c, n in zip(self.replicas, cached, loads)], node)
-            replica = self.replicas[index]
-            replica.chosen[reason] += 1
+        (when known), its address and node refreshed: a restarted engine serves on a new port,
+        maybe on another node."""
+        if len(self.replicas) == 1:
+            replica, reason = self.first, "only"
         else:
-            replica.chosen["only"] += 1
-        replica.address = self._ask([replica.actor.address.remote()])[0]
+            replica, reason = self._pick(node, prefix, owner)
+        replica.chosen[reason] += 1
+        _, replica.address, replica.node = self._describe(replica)
         return replica
 
-    def _ask(self, refs: list[Any]) -> list[Any]:
+    def _pick(self, node: str | None, prefix: list[int] | None, owner: str | None) -> tuple[Replica, str]:
+        replicas = self.replicas
+        if any(r.node == node for r in replicas):
+            index, reason = choose_replica([ReplicaView(r.node) for r in replicas], node)
+            return replicas[index], reason
+        # only the replicas that answer now: one restarting, or on a lost node, is passed over
+        loads = self._quick([r.actor.stats.remote() for r in replicas])
+        cached = (self._quick([r.actor.cached_prefix.remote(prefix, owner) for r in replicas]) if prefix
+                  else [0] * len(replicas))
+        alive = [i for i, s in enumerate(loads) if s is not None] or list(range(len(replicas)))
+        views = [ReplicaView(replicas[i].node, cached[i] or 0, loads[i]["sequences"] if loads[i] else 0)
+                 for i in alive]
+        index, reason = choose_replica(views, node)
+        return replicas[alive[index]], reason
+
+    @staticmethod
+    def _quick(refs: list[Any]) -> list[Any]:
+        """The answers that come within VIEW_WAIT_S; None for the others."""
         import ray
 
-        try:
-            return ray.get(refs, timeout=ENGINE_WAIT_S)
-        except ray.exceptions.RayActorError as e:
-            raise EngineGone(f"an engine of {self.config.model!r} died and was not restarted: {e}") from None
-        except ray.exceptions.GetTimeoutError:
-            raise EngineGone(f"an engine of {self.config.model!r} did not answer within {ENGINE_WAIT_S:.0f} s "
-                             "(restarting?)") from None
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=VIEW_WAIT_S)
+        answers = []
+        for ref in refs:
+            try:
+                answers.append(ray.get(ref) if ref in ready else None)
+            except ray.exceptions.RayError:
+                answers.append(None)
+        return answers
+
+    def _describe(self, replica: Replica) -> tuple[EngineConfig, Any, str]:
+        """`describe` of `replica`, waiting out a restart (up to ENGINE_WAIT_S)."""
+        import ray
+
+        deadline = time.monotonic() + ENGINE_WAIT_S
+        while True:
+            try:
+                return ray.get(replica.actor.describe.remote(), timeout=max(0.0, deadline - time.monotonic()))
+            except ray.exceptions.ActorUnavailableError:      # restarting: ask again once it is back
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            except ray.exceptions.RayActorError as e:
+                raise EngineGone(f"an engine of {self.config.model!r} died and was not restarted: {e}") from None
+            except ray.exceptions.GetTimeoutError:
+                break
+        raise EngineGone(f"an engine of {self.config.model!r} did not come back within {ENGINE_WAIT_S:.0f} s")
 
     def status(self) -> list[dict[str, Any]]:
         return [{"address": [r.address[0], r.address[1]], "node": r.node, "chosen": dict(r.chosen)}

@@ -257,8 +257,10 @@ class _Cluster:
                files: dict[str, bytes], limits: RunLimits, node: str | None = None) -> Process:
         import ray
 
+        from . import controller
+
         try:
-            launched = ray.get(self.controller.launch.remote(self.config.engine.model, name, owner, node))
+            launched = controller.ask(self.controller, "launch", self.config.engine.model, name, owner, node)
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, ValueError):       # the name is taken
                 raise ValueError(str(e.cause)) from None
