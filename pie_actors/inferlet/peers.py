@@ -87,26 +87,31 @@ class ClusterPeers:
     def deliver(self, name: str, message: Any, timeout: float) -> bool:
         import ray
 
-        cached = name in self._actors
-        actor = self._actors.get(name) or self._lookup(name, timeout)
-        try:
-            # A blocking call: the actor runs `deliver` on one of several threads, and Ray keeps the
-            # submission order of one caller's tasks only for actors that run one task at a time
-            # (docs.ray.io, "Actor task execution order": not for threaded or async actors). So the
-            # next message of this sender is sent once this one is in the mailbox.
-            found = ray.get(actor.deliver.remote(message, (self.owner, name), self.sender), timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise HostOpError(f"session.send_to: process {name!r} did not take the message within "
-                              f"{timeout:.3g} s") from None
-        except ray.exceptions.RayActorError:
-            found = GONE
-        if found == GONE:
+        end, pause = time.monotonic() + timeout, 0.002
+        while True:
+            actor = self._actors.get(name) or self._lookup(name, timeout)
+            try:
+                # A blocking call: the actor runs `deliver` on one of several threads, and Ray keeps
+                # the submission order of one caller's tasks only for actors that run one task at a
+                # time (docs.ray.io, "Actor task execution order": not for threaded or async actors).
+                # So the next message of this sender goes once this one is in the mailbox.
+                found = ray.get(actor.deliver.remote(message, (self.owner, name), self.sender),
+                                timeout=max(0.001, end - time.monotonic()))
+            except ray.exceptions.GetTimeoutError:
+                raise HostOpError(f"session.send_to: process {name!r} did not take the message within "
+                                  f"{timeout:.3g} s") from None
+            except ray.exceptions.RayActorError:
+                found = GONE
+            if found != GONE:
+                self._actors[name] = actor
+                return found == DELIVERED
+            # Its actor runs no such process: it ended (the Controller hears of it at once, and then
+            # the lookup fails), or its run has not begun (launched, the actor not yet started it).
             self._actors.pop(name, None)
-            if cached:            # it ended since we looked it up; a new process may have the name
-                return self.deliver(name, message, timeout)
-            raise UnknownProcess(f"process {name!r} has ended")
-        self._actors[name] = actor
-        return found == DELIVERED
+            if time.monotonic() + pause > end:
+                raise HostOpError(f"session.send_to: process {name!r} did not start within {timeout:.3g} s")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
 
     def launch(self, program: Program, input: Any, *, name: str | None, limits: RunLimits,
                node: str | None, model: str | None) -> Process:
