@@ -239,3 +239,151 @@ def test_tokens_per_minute_count_the_last_minute_only():
     with quotas.launching(small):
         pass
     assert quotas.refused == {"tokens_per_minute": 1}
+
+
+# ---- pie serve: partitions, quotas and isolation per key (the official SDKs) ---------------------
+
+A, B, ONE, TOKENS, PAGES = "key-a", "key-b", "key-one-inferlet", "key-few-tokens", "key-few-pages"
+QUOTAS = {"default": {"kv_pages": 256}, ONE: {"inferlets": 1}, TOKENS: {"tokens_per_minute": 20},
+          PAGES: {"kv_pages": 4}}
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir):
+    from serve_helpers import start
+
+    with start(default_model_dir, api_keys=(A, B, ONE, TOKENS, PAGES), quotas=QUOTAS) as s:
+        yield s
+
+
+def openai_client(server, key: str):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+
+
+def ask(server, key: str, question: str, **kw):
+    return openai_client(server, key).chat.completions.create(
+        model="default", messages=[{"role": "user", "content": question}], temperature=0, **{"max_tokens": 2, **kw})
+
+
+def cached(reply) -> int:
+    return reply.usage.prompt_tokens_details.cached_tokens
+
+
+def test_the_prefix_cache_hits_for_the_same_key_and_misses_for_another(server):
+    from serve_helpers import idle
+
+    question = "Name three rivers of Europe and the seas they flow into, in order of their length."
+    first_a, second_a = ask(server, A, question), ask(server, A, question)
+    assert cached(first_a) == 0 and cached(second_a) >= 32          # caching is on, within a key
+    first_b, second_b = ask(server, B, question), ask(server, B, question)
+    assert cached(first_b) == 0                                     # another key does not see A's pages
+    assert cached(second_b) == cached(second_a)                     # but has its own
+    assert first_a.choices[0].message.content == first_b.choices[0].message.content == \
+        second_b.choices[0].message.content                         # the same greedy text either way
+    assert idle(server)["kv"]["referenced"] == 0
+
+
+def test_a_key_over_its_inferlets_gets_429_until_one_ends(server):
+    import openai
+
+    from pie_actors.client import Client
+    from pie_actors.serve.auth import owner_of
+    from pie_actors.ws_protocol import RequestError
+    from serve_helpers import idle
+
+    stream = ask(server, ONE, "Count from one to fifty.", max_tokens=200, stream=True,
+                 extra_body={"ignore_eos": True})
+    next(iter(stream))                                              # its inferlet runs
+    with pytest.raises(openai.RateLimitError) as refused:
+        ask(server, ONE, "Hello")
+    assert refused.value.status_code == 429
+    assert refused.value.body["type"] == "rate_limit_exceeded" and "inferlets" in refused.value.body["message"]
+    with Client(server.url, ONE) as client:                         # the WebSocket: an error frame
+        with pytest.raises(RequestError) as ws_refused:
+            client.submit("async def main(input):\n    return 1\n")
+        assert ws_refused.value.code == "rate_limited"
+    assert ask(server, A, "Hello").choices[0].message.content       # other keys are not held back
+    stream.close()                                                  # its load drops...
+    idle(server)
+    assert server.runtime.running(owner_of(ONE)) == 0
+    assert ask(server, ONE, "Hello").choices[0].message.content     # ...and the key is served again
+    with Client(server.url, ONE) as client:
+        assert client.wait(client.submit("async def main(input):\n    return 7\n").id, timeout=60) == 7
+
+
+def test_a_key_over_its_tokens_per_minute_gets_429_in_each_apis_shape(server):
+    import anthropic
+    import httpx
+    import openai
+    from google import genai
+    from google.genai import errors
+
+    ask(server, TOKENS, "What is the capital of France?")           # about 40 tokens: past its 20
+    with pytest.raises(openai.RateLimitError):
+        ask(server, TOKENS, "Hello")
+    with pytest.raises(anthropic.RateLimitError):
+        anthropic.Anthropic(base_url=server.url, api_key=TOKENS, max_retries=0).messages.create(
+            model="default", max_tokens=2, messages=[{"role": "user", "content": "Hello"}])
+    gemini = genai.Client(api_key=TOKENS, http_options={"base_url": server.url, "retry_options": {"attempts": 1}})
+    with pytest.raises(errors.ClientError) as gemini_refused:
+        gemini.models.generate_content(model="default", contents="Hello")
+    assert gemini_refused.value.code == 429
+    headers = {"Authorization": f"Bearer {TOKENS}", "x-api-key": TOKENS}
+    chat = {"model": "default", "max_tokens": 2, "messages": [{"role": "user", "content": "Hello"}]}
+    bodies = {path: httpx.post(server.url + path, json=body, headers=headers, timeout=60) for path, body in (
+        ("/v1/chat/completions", chat), ("/v1/messages", chat),
+        ("/v1beta/models/default:generateContent", {"contents": [{"parts": [{"text": "Hello"}]}]}))}
+    assert {path: r.status_code for path, r in bodies.items()} == dict.fromkeys(bodies, 429)
+    openai_error = bodies["/v1/chat/completions"].json()["error"]
+    assert (openai_error["type"], openai_error["code"]) == ("rate_limit_exceeded", "rate_limit_exceeded")
+    assert "tokens_per_minute" in openai_error["message"]
+    anthropic_error = bodies["/v1/messages"].json()
+    assert anthropic_error["type"] == "error" and anthropic_error["error"]["type"] == "rate_limit_error"
+    gemini_error = bodies["/v1beta/models/default:generateContent"].json()["error"]
+    assert (gemini_error["code"], gemini_error["status"]) == (429, "RESOURCE_EXHAUSTED")
+    assert ask(server, B, "Hello").choices[0].message.content       # other keys are not held back
+
+
+def test_a_key_over_its_kv_pages_is_refused_with_429_and_every_page_returns(server):
+    import openai
+
+    from serve_helpers import idle
+
+    start = idle(server)["kv"]
+    long_question = "Tell me about " + ", ".join(f"city number {i}" for i in range(30))   # > 4 pages
+    with pytest.raises(openai.RateLimitError) as refused:
+        ask(server, PAGES, long_question)
+    assert "kv_pages" in refused.value.body["message"] or "KV pages" in refused.value.body["message"]
+    assert ask(server, PAGES, "Hi").choices[0].message.content      # a prompt in its pages is served
+    assert ask(server, A, long_question).choices[0].message.content  # and others' long prompts are
+    after = idle(server)["kv"]
+    assert after["referenced"] == 0 and after["total"] == start["total"]
+    assert after["free"] + after["cached"] == after["total"]
+
+
+def test_metrics_and_saved_sets_name_nothing_of_another_key(server):
+    import httpx
+
+    from pie_actors.client import Client
+
+    holder = "from inferlet import session\n\nasync def main(input):\n    return await session.receive()\n"
+    saver = ("from inferlet import model\nfrom inferlet.eta import ForwardPass, Pipeline, WorkingSet, "
+             "intrinsics, reduce_argmax\n\nasync def main(input):\n    ws, pipe = WorkingSet(), Pipeline()\n"
+             "    fwd = ForwardPass()\n    fwd.embed(model.encode('A secret plan of key A'))\n"
+             "    fwd.state([ws])\n    done = fwd.epilogue(lambda: reduce_argmax(intrinsics.output(0, 'logits')))\n"
+             "    pipe.submit(fwd)\n    await done\n    return ws.save('plan-of-a')\n")
+    with Client(server.url, A) as a, Client(server.url, B) as b:
+        a.wait(a.submit(saver).id, timeout=120)
+        running = a.submit(holder, name="agent-of-a")
+        assert [s["name"] for s in a.saved()] == ["plan-of-a"] and b.saved() == []
+        with pytest.raises(Exception, match="no saved working set"):
+            b.delete_saved("plan-of-a")
+        assert [p["name"] for p in b.ps()] == []
+        metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {B}"}).text
+        assert "agent-of-a" not in metrics and "plan-of-a" not in metrics and "pie_kv_pages" in metrics
+        running.send("done")
+        assert running.result(timeout=60) == "done"
+        assert [s["name"] for s in a.saved()] == ["plan-of-a"]      # B's attempt changed nothing
+        a.delete_saved("plan-of-a")

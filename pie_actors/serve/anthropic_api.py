@@ -261,7 +261,7 @@ async def messages(serving: Serving, request: Request, body: MessagesRequest) ->
 
 async def count_tokens(serving: Serving, request: Request, body: CountRequest) -> Response:
     serving.check_model(body.model)
-    result = await count(serving, "/v1/messages/count_tokens", body.neutral())
+    result = await count(serving, request, "/v1/messages/count_tokens", body.neutral())
     return JSONResponse({"input_tokens": result["prompt_tokens"]})
 
 

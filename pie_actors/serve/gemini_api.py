@@ -276,7 +276,7 @@ async def count_tokens(serving: Serving, request: Request, body: CountRequest) -
         raise ApiError("invalid_request", "give either contents or generateContentRequest", "contents")
     input = {"messages": _contents(body.contents, None)} if inner is None else \
         {"messages": _contents(inner.contents, inner.systemInstruction), **_tools(inner)}
-    result = await count(serving, GEMINI_COUNT, input)
+    result = await count(serving, request, GEMINI_COUNT, input)
     return JSONResponse({"totalTokens": result["prompt_tokens"]})
 
 

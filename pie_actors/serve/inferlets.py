@@ -19,6 +19,7 @@ from ..process import Done, Failed, Process, Send
 from ..program import Program
 from .errors import ApiError
 from .metrics import Metrics
+from .quotas import Quotas
 from .sse import disconnected
 
 __all__ = ["Endpoints", "Call", "ClientGone", "ENDPOINT_KEYS", "GEMINI_GENERATE", "GEMINI_COUNT"]
@@ -41,9 +42,9 @@ class ClientGone(Exception):
 
 class Endpoints:
     """The program for each endpoint key (a bad `routes` entry is a ValueError at once), launched on
-    `runtime` for each request once it is set."""
+    `runtime` for each request once it is set, within the key's `quotas`."""
 
-    def __init__(self, routes: Mapping[str, str], metrics: Metrics) -> None:
+    def __init__(self, routes: Mapping[str, str], metrics: Metrics, quotas: Quotas) -> None:
         unknown = sorted(set(routes) - set(ENDPOINT_KEYS))
         if unknown:
             raise ValueError(f"serve.routes: no endpoint route {', '.join(unknown)}; the routes are "
@@ -51,24 +52,28 @@ class Endpoints:
         loaded = {path: Program.load(path) for path in set(ENDPOINT_KEYS.values())}
         self.programs = {key: loaded[path] for key, path in ENDPOINT_KEYS.items()}
         self.programs.update({key: Program.load(Path(path).expanduser()) for key, path in routes.items()})
-        self.metrics = metrics
+        self.metrics, self.quotas = metrics, quotas
         self.runtime: Any = None
 
     async def launch(self, key: str, input: dict[str, Any], owner: str | None = None) -> Call:
         """Launch endpoint `key` on `input`, as `owner`'s process (the saved working sets it
-        opens and saves are that owner's)."""
+        opens and saves, and the prefix cache it hits, are that owner's); over one of the owner's
+        quotas, an ApiError("rate_limited")."""
         arrived = time.monotonic()
-        launch = partial(self.runtime.launch, self.programs[key], input, owner=owner)
-        process = await asyncio.get_running_loop().run_in_executor(None, launch)
-        return Call(process, arrived, self.metrics)
+        limits = self.quotas.limits(owner, self.runtime.config.limits)
+        launch = partial(self.runtime.launch, self.programs[key], input, owner=owner, limits=limits)
+        with self.quotas.launching(owner):
+            process = await asyncio.get_running_loop().run_in_executor(None, launch)
+        return Call(process, arrived, self.metrics, partial(self.quotas.used, owner))
 
 
 class Call:
     """A launched endpoint inferlet. Read it one way: `start` then `messages` (a stream), or
     `finish` (the whole result); `result` holds main's output once it has ended."""
 
-    def __init__(self, process: Process, arrived: float, metrics: Metrics) -> None:
-        self.process, self.arrived, self.metrics = process, arrived, metrics
+    def __init__(self, process: Process, arrived: float, metrics: Metrics,
+                 used: Callable[[int], None] = lambda tokens: None) -> None:
+        self.process, self.arrived, self.metrics, self.used = process, arrived, metrics, used
         self._events = process.aevents()
         self._early: list[dict] = []                # messages read ahead by `start`
         self.result: dict[str, Any] | None = None
@@ -87,6 +92,8 @@ class Call:
                 self._record()
                 return None
             if isinstance(event, Failed):
+                if "QuotaExceeded" in event.message:        # the engine refused the key's pages past its bound
+                    raise ApiError("rate_limited", f"quota exceeded (kv_pages): {event.message}")
                 raise ApiError("server_error", f"the endpoint inferlet failed ({event.kind}): {event.message}")
         return None
 
@@ -147,6 +154,7 @@ class Call:
             later = int(self.usage.get("completion_tokens") or 0) - 1
             tpot = (now - self.first_output) / later if later > 0 else None
         self.metrics.generation(self.usage, now - self.arrived, ttft, tpot)
+        self.used(int(self.usage.get("prompt_tokens") or 0) + int(self.usage.get("completion_tokens") or 0))
 
 
 def _message(text: str) -> dict[str, Any]:

@@ -352,7 +352,7 @@ async def tokenize(serving: Serving, request: Request, body: TokenizeRequest) ->
     if (body.prompt is None) == (body.messages is None):
         raise ApiError("invalid_request", "give either prompt or messages", "prompt")
     input = {"prompt": body.prompt} if body.prompt is not None else {"messages": [_message(m) for m in body.messages]}
-    result = await count(serving, "/tokenize", input)
+    result = await count(serving, request, "/tokenize", input)
     return JSONResponse({"count": result["prompt_tokens"], "max_model_len": result.get("max_position"),
                          "tokens": result["tokens"][0]})
 
@@ -360,7 +360,7 @@ async def tokenize(serving: Serving, request: Request, body: TokenizeRequest) ->
 async def detokenize(serving: Serving, request: Request, body: DetokenizeRequest) -> Response:
     if body.model is not None:
         serving.check_model(body.model)
-    result = await count(serving, "/detokenize", {"tokens": body.tokens})
+    result = await count(serving, request, "/detokenize", {"tokens": body.tokens})
     return JSONResponse({"prompt": result.get("prompt", "")})
 
 

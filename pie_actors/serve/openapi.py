@@ -15,6 +15,7 @@ ERRORS = {"400": "A malformed body, a bad field, or a prompt over the model's co
           "401": "A missing or wrong API key (OpenAI, Anthropic).",
           "403": "No API key (Gemini).",
           "404": "An unknown model, or a stored response this key does not have.",
+          "429": "Over one of the key's quotas (serve.quotas): inferlets, tokens per minute, KV pages.",
           "500": "The endpoint inferlet failed.",
           "503": "The engine is still loading."}
 SECURITY = {"bearer": {"type": "http", "scheme": "bearer"},

@@ -14,12 +14,14 @@ requests that ended in the last minute. The KV page bound travels with each laun
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
+from ..config import RunLimits
 from .auth import owner_of
 from .errors import ApiError
 
@@ -79,6 +81,11 @@ class Quotas:
             self._launching[owner] -= 1
             if not self._launching[owner]:
                 del self._launching[owner]
+
+    def limits(self, owner: str | None, base: RunLimits) -> RunLimits:
+        """The limits of a run of `owner`'s: `base`, with the owner's KV page bound."""
+        pages = self.of(owner).kv_pages
+        return dataclasses.replace(base, kv_pages=pages) if pages else base
 
     def used(self, owner: str | None, tokens: int) -> None:
         """`owner`'s request that just ended used `tokens` (prompt and completion)."""

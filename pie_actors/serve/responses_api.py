@@ -385,7 +385,7 @@ async def _forget_after(serving: Serving, call: Call, owner: str | None, name: s
 async def create(serving: Serving, request: Request, body: ResponseRequest) -> Response:
     reply = Reply(serving, request, body)
     return await answer(serving, request, KEY, reply.input(), body.stream, reply.respond, reply.events, API,
-                        owner=reply.owner, closed=reply.closed)
+                        closed=reply.closed)
 
 
 def _stored(serving: Serving, request: Request) -> tuple[str, StoredResponse | None]:

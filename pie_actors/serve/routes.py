@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 from .errors import ApiError
 from .inferlets import Call, ClientGone, Endpoints
 from .metrics import Metrics
+from .quotas import Quotas
 from .sessions import Sessions
 from .stored import StoredResponses
 from .sse import EventStream, frame
@@ -68,8 +69,8 @@ class Route:
 @dataclass
 class Serving:
     """What the handlers share: the model's names, its endpoints (None while the engine loads),
-    the runtime, the metrics, the processes launched over the WebSocket, and the responses stored
-    by /v1/responses."""
+    the runtime, the metrics, the processes launched over the WebSocket, the responses stored
+    by /v1/responses, and the keys' quotas."""
 
     model: str
     names: tuple[str, ...]
@@ -79,6 +80,7 @@ class Serving:
     endpoints: Endpoints | None = None
     loading_error: str | None = field(default=None)
     responses: StoredResponses = field(default_factory=StoredResponses)
+    quotas: Quotas = field(default_factory=lambda: Quotas({}))
 
     def check_model(self, name: str) -> str:
         """`name` if the model answers to it; else an ApiError("not_found")."""
@@ -108,12 +110,13 @@ async def parse(request: Request, shape: type[BaseModel]) -> BaseModel:
 
 async def answer(serving: Serving, request: Request, key: str, input: dict[str, Any], stream: bool,
                  respond: Callable[[dict], dict], frames: Callable[[Call, dict], AsyncIterator[str]],
-                 api: Api, owner: str | None = None, closed: Callable[[Call], None] = Call.close) -> Response:
-    """Launch endpoint `key` on `input` as `owner`'s process. Not streaming: `respond(result)` once
-    it has ended. Streaming: wait for its start (a refusal is still an error response), then
-    `frames(call, start)` as server-sent events; a client that leaves ends the inferlet either way.
-    `closed(call)` runs once the request is over, however it ended (default: end the inferlet)."""
-    call = await serving.endpoints.launch(key, {**input, "stream": stream}, owner)
+                 api: Api, closed: Callable[[Call], None] = Call.close) -> Response:
+    """Launch endpoint `key` on `input` as the process of the request's owner (its key). Not
+    streaming: `respond(result)` once it has ended. Streaming: wait for its start (a refusal is
+    still an error response), then `frames(call, start)` as server-sent events; a client that
+    leaves ends the inferlet either way. `closed(call)` runs once the request is over, however it
+    ended (default: end the inferlet)."""
+    call = await serving.endpoints.launch(key, {**input, "stream": stream}, request.state.owner)
     if not stream:
         try:
             return JSONResponse(respond(await call.finish(request.receive)))
@@ -129,9 +132,10 @@ async def answer(serving: Serving, request: Request, key: str, input: dict[str, 
     return EventStream(frames(call, start), api.error_frame, lambda: closed(call))
 
 
-async def count(serving: Serving, key: str, input: dict[str, Any]) -> dict[str, Any]:
-    """Launch endpoint `key` to count `input`'s prompt tokens: its result (prompt_tokens, tokens)."""
-    call = await serving.endpoints.launch(key, {**input, "count_only": True, "stream": False})
+async def count(serving: Serving, request: Request, key: str, input: dict[str, Any]) -> dict[str, Any]:
+    """Launch endpoint `key` to count `input`'s prompt tokens, as the request owner's process: its
+    result (prompt_tokens, tokens)."""
+    call = await serving.endpoints.launch(key, {**input, "count_only": True, "stream": False}, request.state.owner)
     async for _ in call.messages():
         pass
     return call.result

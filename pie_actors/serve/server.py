@@ -22,6 +22,7 @@ from ..model_store import resolve_model
 from .app import build_app
 from .inferlets import Endpoints
 from .metrics import Metrics
+from .quotas import Quotas
 from .routes import Serving
 from .sessions import Sessions
 from .stored import StoredResponses
@@ -61,11 +62,12 @@ class Server:
         self.local, self.address, self.access_log = local, address, access_log
         self.api_keys = api_keys(self.config)
         metrics = Metrics()
-        self._endpoints = Endpoints(self.config.serve.routes, metrics)
         serve = self.config.serve
+        quotas = Quotas(serve.quotas, running=lambda owner: self.serving.runtime.running(owner))
+        self._endpoints = Endpoints(serve.routes, metrics, quotas)
         self.serving = Serving(model_name(self.config.engine.model), served_names(self.config), metrics,
                                Sessions(serve.idle_timeout_s, serve.detached_buffer),
-                               responses=StoredResponses(serve.stored_responses))
+                               responses=StoredResponses(serve.stored_responses), quotas=quotas)
         self._loaded = threading.Event()
         self._uvicorn = None
         self._threads: list[threading.Thread] = []

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
+from ..config import RunLimits
 from ..process import Done, Event, Failed, Process
 from ..program import Program
 from ..ws_protocol import RequestError, program_hash
@@ -79,15 +80,17 @@ class Sessions:
         return key[1]
 
     async def launch(self, runtime: Any, owner: str | None, program_hash: str, input: Any, *,
-                     files: dict[str, bytes], name: str | None, timeout: float | None) -> Session:
-        """Launch `owner`'s uploaded program on `runtime` (through the launch API). The new session
-        has no client attached yet."""
+                     files: dict[str, bytes], name: str | None, timeout: float | None,
+                     limits: RunLimits | None = None) -> Session:
+        """Launch `owner`'s uploaded program on `runtime` (through the launch API), within `limits`
+        (default: the runtime's). The new session has no client attached yet."""
         program = self._programs.get((owner, program_hash))
         if program is None:
             raise RequestError("not_found", f"no program with hash {program_hash!r} was uploaded with this key: "
                                             "upload it first")
         self._programs.move_to_end((owner, program_hash))
-        launch = partial(runtime.launch, program, input, name=name, files=files, timeout=timeout, owner=owner)
+        launch = partial(runtime.launch, program, input, name=name, files=files, timeout=timeout, owner=owner,
+                         limits=limits)
         try:
             process = await asyncio.get_running_loop().run_in_executor(None, launch)
         except ValueError as e:                 # a name in use

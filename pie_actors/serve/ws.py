@@ -160,8 +160,14 @@ class Connection:
         timeout = field(frame, "timeout", (int, float), None)
         if timeout is not None and not timeout > 0:
             raise RequestError("bad_frame", f"'launch': 'timeout' must be positive, not {timeout!r}")
-        session = await self.sessions.launch(self._runtime(), self.owner, program_hash, input, files=files,
-                                             name=name, timeout=timeout)
+        runtime, quotas = self._runtime(), self.serving.quotas
+        try:
+            with quotas.launching(self.owner):
+                session = await self.sessions.launch(runtime, self.owner, program_hash, input, files=files,
+                                                     name=name, timeout=timeout,
+                                                     limits=quotas.limits(self.owner, runtime.config.limits))
+        except ApiError as e:                     # over one of the key's quotas
+            raise RequestError(e.kind, e.message) from None
         self.put({"type": "launched", "process": session.id, "name": session.process.name}, frame.get("id"))
         if not detach:
             self.sessions.attach(session, self)
