@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from pie_actors import File, Runtime, Send
 
@@ -49,3 +50,44 @@ def settle(runtime: Runtime, start: int) -> None:
     engine = runtime.engine
     with engine._lock:
         engine.kv.check()
+
+
+def quiet_stats(runtime: Runtime, timeout: float = 60) -> dict:
+    """The stats once no process runs and none is connected (on a cluster too: no `engine` here)."""
+    end = time.monotonic() + timeout
+    while (stats := runtime.stats())["connections"] or stats["processes"]:
+        assert time.monotonic() < end, stats
+        time.sleep(0.05)
+    return stats
+
+
+@contextmanager
+def pages_return(runtime: Runtime) -> Iterator[None]:
+    """Around what launches processes (children, peers): once they have all ended, the KV pages
+    are where they started."""
+    start = quiet_stats(runtime)["kv"]
+    yield
+    end = quiet_stats(runtime)["kv"]
+    assert end["referenced"] == start["referenced"], (start, end)
+    assert end["free"] + end["cached"] == start["free"] + start["cached"], (start, end)
+
+
+def reachable(runtime: Runtime, name: str, message: str = "probe") -> bool:
+    """Whether a process named `name` runs (a probe's send_to gets `message` to it)."""
+    probe = ("from inferlet import session, HostError\nasync def main(input):\n    try:\n"
+             f"        session.send_to({name!r}, {message!r})\n    except HostError:\n        return False\n"
+             "    return True\n")
+    return runtime.launch(probe, {}).result(60)
+
+
+@contextmanager
+def on_a_cluster(**settings: Any) -> Iterator[Runtime]:
+    """`Runtime.connect(**settings)` on a new Ray cluster of this machine (two CPUs), shut down after."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with Runtime.connect(**settings) as runtime:
+            yield runtime
+    finally:
+        ray.shutdown()

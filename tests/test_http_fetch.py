@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from inferlet_helpers import pages_return
 from pie_actors import Runtime
 
 FETCH = """
@@ -91,13 +92,8 @@ def server():
 def runtime(default_model_dir):
     with Runtime.local("dummy", dtype="float32", num_pages=64, compile="off", timeout_s=60,
                        http_timeout_s=5.0, http_response_mb=1) as rt:
-        start = rt.stats()["kv"]
-        yield rt
-        end = time.monotonic() + 30
-        while rt.stats()["connections"] or rt.stats()["processes"]:
-            assert time.monotonic() < end
-            time.sleep(0.05)
-        assert rt.stats()["kv"] == start
+        with pages_return(rt):
+            yield rt
 
 
 def _fetch(runtime: Runtime, requests: list[dict], allow: tuple[str, ...]) -> list[dict]:

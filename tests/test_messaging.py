@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 import pytest
-import ray
 
+from inferlet_helpers import on_a_cluster, pages_return, reachable
 from pie_actors import InferletError, Runtime, Send
 
 SETTINGS = dict(dtype="float32", num_pages=64, compile="off", timeout_s=120, mailbox_size=4, send_timeout_s=1.0)
@@ -88,29 +88,15 @@ def local(default_model_dir):
 
 @pytest.fixture(scope="module")
 def cluster(default_model_dir):
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    with Runtime.connect(model="dummy", **SETTINGS) as runtime:
+    with on_a_cluster(model="dummy", **SETTINGS) as runtime:
         yield runtime
-    ray.shutdown()
 
 
 @pytest.fixture(params=["local", "cluster"])
 def runtime(request):
     runtime = request.getfixturevalue(request.param)
-    start = _idle(runtime)["kv"]
-    yield runtime
-    end = _idle(runtime)["kv"]
-    assert end["referenced"] == start["referenced"] and end["free"] + end["cached"] == start["free"] + start["cached"]
-
-
-def _idle(runtime: Runtime) -> dict:
-    end = time.monotonic() + 60
-    while True:
-        stats = runtime.stats()
-        if stats["connections"] == 0 and stats["processes"] == 0:
-            return stats
-        assert time.monotonic() < end, stats
-        time.sleep(0.05)
+    with pages_return(runtime):
+        yield runtime
 
 
 def test_each_senders_messages_arrive_in_order_with_its_name(runtime):
@@ -166,10 +152,7 @@ def test_a_process_that_is_not_running_is_an_error_at_once(runtime):
 
 def _wait_gone(runtime: Runtime, name: str) -> None:
     """Until a process of that name is no longer running (its end reached the runtime's books)."""
-    probe = "from inferlet import session, HostError\nasync def main(input):\n    try:\n" \
-            f"        session.send_to({name!r}, 'probe')\n    except HostError:\n        return 'gone'\n    return 'there'\n"
     end = time.monotonic() + 30
-    while runtime.launch(probe, {}).result(60) != "gone":
+    while reachable(runtime, name):
         assert time.monotonic() < end
         time.sleep(0.1)
-

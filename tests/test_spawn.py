@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 import ray
 
+from inferlet_helpers import on_a_cluster, pages_return, reachable
 from pie_actors import InferletError, Runtime
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 COMPLETION = (EXAMPLES / "completion" / "main.py").read_text()
+SETTINGS = dict(dtype="float32", num_pages=256, compile="off", timeout_s=120)
 PROMPTS = ["The capital of France is", "Water boils at", "The quick brown fox"]
 
 PARENT = """
@@ -85,44 +87,21 @@ async def main(input):
 
 @pytest.fixture(scope="module")
 def local(default_model_dir):
-    with Runtime.local(str(default_model_dir), dtype="float32", num_pages=256, compile="off",
-                       timeout_s=120) as runtime:
+    with Runtime.local(str(default_model_dir), **SETTINGS) as runtime:
         yield runtime
 
 
 @pytest.fixture(scope="module")
 def cluster(default_model_dir):
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    with Runtime.connect(model=str(default_model_dir), dtype="float32", num_pages=256, compile="off",
-                         timeout_s=120) as runtime:
+    with on_a_cluster(model=str(default_model_dir), **SETTINGS) as runtime:
         yield runtime
-    ray.shutdown()
 
 
 @pytest.fixture(params=["local", "cluster"])
 def runtime(request):
     runtime = request.getfixturevalue(request.param)
-    start = _idle(runtime)["kv"]
-    yield runtime
-    end = _idle(runtime)["kv"]
-    assert end["referenced"] == start["referenced"] and end["free"] + end["cached"] == start["free"] + start["cached"]
-
-
-def _idle(runtime: Runtime) -> dict:
-    end = time.monotonic() + 60
-    while True:
-        stats = runtime.stats()
-        if stats["connections"] == 0 and stats["processes"] == 0:
-            return stats
-        assert time.monotonic() < end, stats
-        time.sleep(0.05)
-
-
-def _reachable(runtime: Runtime, name: str, message: str = "probe") -> bool:
-    probe = ("from inferlet import session, HostError\nasync def main(input):\n    try:\n"
-             f"        session.send_to({name!r}, {message!r})\n    except HostError:\n        return False\n"
-             "    return True\n")
-    return runtime.launch(probe, {}).result(60)
+    with pages_return(runtime):
+        yield runtime
 
 
 def test_children_from_source_give_the_tokens_of_a_direct_launch(runtime):
@@ -154,10 +133,10 @@ def test_a_bundle_spawns_its_own_modules(runtime, tmp_path):
 def test_children_end_with_their_parent_unless_detached(runtime):
     assert runtime.launch(ABANDONS, {}).result(60) == ["bound", "free"]
     end = time.monotonic() + 30
-    while _reachable(runtime, "bound"):           # cancelled when its parent ended
+    while reachable(runtime, "bound"):           # cancelled when its parent ended
         assert time.monotonic() < end
         time.sleep(0.1)
-    assert _reachable(runtime, "free", "you may go")   # still running: this message ends it
+    assert reachable(runtime, "free", "you may go")   # still running: this message ends it
 
 
 def test_a_failed_child_fails_its_result_with_its_error(runtime):
