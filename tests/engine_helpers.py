@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 
 from pie_actors.gpu.engine import Engine
+from pie_actors.inferlet.engine_client import EngineClient
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -63,3 +64,15 @@ def serve(model_dir: Path):
     finally:
         server.close()
         engine.close()
+
+
+async def decode(client: EngineClient, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding of n tokens through the client, on a fresh sequence it frees afterwards."""
+    seq = await client.create()
+    out, feed = [], prompt
+    for _ in range(n):
+        [token] = await client.forward([{"seq": seq, "tokens": feed}])
+        out.append(token)
+        feed = [token]
+    await client.free(seq)
+    return out

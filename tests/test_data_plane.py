@@ -15,7 +15,7 @@ from pie_actors.gpu.engine import wire
 from pie_actors.cli import main as pie_main
 from pie_actors.gpu.engine.data_plane import EngineServer
 from pie_actors.inferlet.engine_client import EngineClient, EngineError
-from tests.engine_helpers import serve
+from tests.engine_helpers import decode, serve
 
 PROMPTS = [
     "The capital of France is", "List three colors:", "def add(a, b):", "Water boils at",
@@ -33,18 +33,6 @@ def served(default_model_dir):
 
 def referenced(server: EngineServer) -> int:
     return server.stats()["kv"]["referenced"]
-
-
-async def decode(client: EngineClient, prompt: list[int], n: int) -> list[int]:
-    """Greedy decoding of n tokens through the client, on a fresh sequence it frees afterwards."""
-    seq = await client.create()
-    out, feed = [], prompt
-    for _ in range(n):
-        [token] = await client.forward([{"seq": seq, "tokens": feed}])
-        out.append(token)
-        feed = [token]
-    await client.free(seq)
-    return out
 
 
 def test_greedy_through_client_equals_engine(served):

@@ -18,7 +18,7 @@ from pie_actors import Runtime
 from pie_actors.gpu.engine import data_plane, wire
 from pie_actors.gpu.engine.data_plane import EngineServer
 from pie_actors.inferlet.engine_client import EngineClient, EngineError
-from tests.engine_helpers import make_engine
+from tests.engine_helpers import decode, make_engine
 
 PROMPT = [5, 6, 7, 8]
 
@@ -67,16 +67,6 @@ def refusal(frames: list[dict]) -> dict:
     return rest[0]
 
 
-async def greedy(client: EngineClient, tokens: list[int], n: int) -> list[int]:
-    seq, out = await client.create(), []
-    for _ in range(n):
-        [token] = await client.forward([{"seq": seq, "tokens": tokens}])
-        out.append(token)
-        tokens = [token]
-    await client.free(seq)
-    return out
-
-
 def test_a_connection_that_does_not_prove_the_secret_is_refused_before_any_request(plane, monkeypatch):
     engine, server = plane
     monkeypatch.setattr(data_plane, "HANDSHAKE_TIMEOUT_S", 0.5)
@@ -86,7 +76,7 @@ def test_a_connection_that_does_not_prove_the_secret_is_refused_before_any_reque
     async def main() -> tuple[list[int], list[int]]:
         # a connection made before the attempts keeps serving through them
         async with await EngineClient.connect(*address) as bystander:
-            before = await greedy(bystander, PROMPT, 3)
+            before = await decode(bystander, PROMPT, 3)
             stats = server.stats()
             pass_body = request_body("pass", lanes=[{"seq": 0, "tokens": PROMPT}], epilogue=wire.ARGMAX)
             nonce = raw_frames(address, None)[0]["hello"]               # silent: refused at the timeout
@@ -110,7 +100,7 @@ def test_a_connection_that_does_not_prove_the_secret_is_refused_before_any_reque
             assert after["batch_sizes"] == stats["batch_sizes"]
             assert after["refused"] == stats["refused"] + len(attempts) + 2     # the silent one, the client
             assert after["connections"] == 1
-            return before, await greedy(bystander, PROMPT, 3)
+            return before, await decode(bystander, PROMPT, 3)
 
     before, after = asyncio.run(main())
     assert before == after == want
