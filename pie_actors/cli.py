@@ -226,9 +226,12 @@ def _run(args: argparse.Namespace) -> int:
 
 def _build(args: argparse.Namespace) -> int:
     from .inferlet.build import build_bundle
+    from .program import Manifest
 
     art = build_bundle(args.dir)
-    print(f"{'cached' if art.from_cache else 'built'} {art.path} (modules: {', '.join(art.modules)})")
+    manifest = Manifest.read(Path(args.dir))
+    label = f"{manifest.name} {manifest.version}: " if manifest else ""
+    print(f"{label}{'cached' if art.from_cache else 'built'} {art.path} (modules: {', '.join(art.modules)})")
     if art.missing:
         print(f"pie: warning: imports neither in the bundle nor in the sandbox's stdlib: "
               f"{', '.join(art.missing)}", file=sys.stderr)

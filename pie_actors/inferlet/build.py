@@ -29,6 +29,7 @@ from importlib import metadata
 from pathlib import Path
 
 from ..config import pie_home
+from ..program import Manifest
 
 HERE = Path(__file__).resolve().parent
 WIT_DIR = HERE / "wit"
@@ -100,6 +101,9 @@ def _scan_bundle(bundle_dir: Path) -> tuple[dict[str, tuple[str, bool, str]], li
         if not parts or not all(p.isidentifier() for p in parts):
             continue
         files[".".join(parts)] = (rel.as_posix(), is_package, path.read_text(encoding="utf-8"))
+    manifest = Manifest.read(bundle_dir)
+    if manifest is not None and manifest.entry != "main.py":     # the entry runs as main (program.py)
+        files["main"] = ("main.py", False, files.pop(".".join(Path(manifest.entry).with_suffix("").parts))[2])
     if "main" not in files:
         raise FileNotFoundError(f"{bundle_dir} has no main.py")
 

@@ -1,0 +1,138 @@
+"""Bundles as Ray jobs: a manifest (pie.toml) names a bundle's entry, `ray job submit --working-dir
+DIR -- pie run main.py -- --key value` runs it on a running cluster's engine and Controller, and
+ray_cluster.yaml passes Ray's own cluster-config validation."""
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pie_actors.program import Manifest, ManifestError, Program
+
+ROOT = Path(__file__).resolve().parent.parent
+HELPER = "def greet(name):\n    return 'hello ' + name\n"
+AGENT = """
+from greeting import greet
+from inferlet import model
+
+async def main(input):
+    return {"greeting": greet(input["name"]), "model": model.name()}
+"""
+MANIFEST = '[bundle]\nname = "greeter"\nversion = "0.2.0"\nentry = "agent.py"\n'
+
+
+def _bundle(folder: Path, entry: str = "agent.py") -> Path:
+    folder.mkdir()
+    (folder / "greeting.py").write_text(HELPER)
+    (folder / entry).write_text(AGENT)
+    (folder / "pie.toml").write_text(MANIFEST.replace("agent.py", entry))
+    return folder
+
+
+def test_the_manifest_names_the_entry_and_any_file_beside_it_loads_the_bundle(tmp_path):
+    folder = _bundle(tmp_path / "b")
+    assert Manifest.read(folder) == Manifest("greeter", "0.2.0", "agent.py")
+    for path in (folder, folder / "greeting.py"):
+        program = Program.load(str(path))
+        assert program.bundle == {"greeting.py": HELPER, "main.py": AGENT}     # the entry runs as main
+    from pie_actors.inferlet.build import _scan_bundle
+    files, preimport, _ = _scan_bundle(folder)                 # what `pie build` bakes in
+    assert files["main"][2] == AGENT and "greeting" in preimport
+    (folder / "pie.toml").write_text('[bundle]\nname = "greeter"\n')
+    with pytest.raises(ManifestError, match="bundle.version must be a non-empty string"):
+        Program.load(str(folder))
+    (folder / "pie.toml").write_text(MANIFEST.replace("agent.py", "nowhere.py"))
+    with pytest.raises(ManifestError, match="'nowhere.py' is not a .py file of the bundle"):
+        Program.load(str(folder))
+    (folder / "main.py").write_text(AGENT)
+    (folder / "pie.toml").write_text(MANIFEST)
+    with pytest.raises(ManifestError, match="has a main.py too"):
+        Program.load(str(folder))
+
+
+def test_ray_cluster_yaml_passes_rays_validation():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = yaml.safe_load((ROOT / "ray_cluster.yaml").read_text())
+    validate_config(prepare_config(copy.deepcopy(config)))
+    nodes = config["available_node_types"]
+    workers = [name for name in nodes if name != config["head_node_type"]]
+    assert workers and all("g5" in nodes[n]["node_config"]["InstanceType"] for n in workers)   # GPU types
+    setup = " ".join(config["setup_commands"])
+    assert "pip install -e ~/pie_actors" in setup and "pie model import smollm2-135m-instruct" in setup
+    head = " ".join(config["head_start_ray_commands"])
+    assert "pie serve --host 0.0.0.0 --port 8080" in head and "--dashboard-port=8265" in head
+    broken = copy.deepcopy(config)
+    broken["available_node_types"]["head"]["no_such_field"] = 1
+    with pytest.raises(Exception, match="no_such_field"):
+        validate_config(prepare_config(broken))
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def test_ray_job_submit_runs_a_bundle_on_the_clusters_engine(default_model_dir, tmp_path, monkeypatch):
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    bundle = _bundle(tmp_path / "greeter", entry="main.py")
+    bin_dir = Path(sys.executable).parent
+    env = dict(os.environ, PIE_HOME=str(default_model_dir.parent.parent), RAY_AUTH_MODE="disabled",
+               PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    env.pop("RAY_ADDRESS", None)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    gcs, dash, agent, agent_grpc, runtime_env, metrics, client = _free_ports(7)
+    temp = tempfile.mkdtemp(prefix="pie-ray-", dir="/tmp")      # short: Ray's socket paths live under it
+    # --block: the head's processes are this one's children, stopped with its process group
+    head = subprocess.Popen(
+        [str(bin_dir / "ray"), "start", "--head", "--block", "--num-cpus", "2", f"--port={gcs}",
+         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+         f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+         f"--runtime-env-agent-port={runtime_env}", f"--metrics-export-port={metrics}",
+         f"--ray-client-server-port={client}", f"--temp-dir={temp}"],
+        env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        jobs = _client(f"http://127.0.0.1:{dash}", head)
+        entry = "pie run --dtype float32 --compile off main.py -- --name pie"
+        job = jobs.submit_job(entrypoint=entry, runtime_env={"working_dir": str(bundle)})
+        deadline = time.monotonic() + 300
+        while (status := jobs.get_job_status(job)) not in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
+            assert time.monotonic() < deadline, "the job did not end"
+            time.sleep(1)
+        logs = jobs.get_job_logs(job)
+        assert status == JobStatus.SUCCEEDED, logs[-3000:]
+        assert '{"greeting": "hello pie", "model": "smollm2-135m-instruct"}' in logs
+    finally:
+        if head.poll() is None:
+            os.killpg(head.pid, signal.SIGTERM)
+            head.wait(90)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _client(address: str, head: subprocess.Popen):
+    from ray.job_submission import JobSubmissionClient
+
+    deadline = time.monotonic() + 120
+    while True:
+        assert head.poll() is None, "ray start --head exited"
+        try:
+            return JobSubmissionClient(address)
+        except (ConnectionError, RuntimeError):
+            assert time.monotonic() < deadline, "the dashboard did not come up"
+            time.sleep(1)
