@@ -99,7 +99,7 @@ def test_ray_job_submit_runs_a_bundle_on_the_clusters_engine(default_model_dir, 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     gcs, dash, agent, agent_grpc, runtime_env, metrics, client = _free_ports(7)
     temp = tempfile.mkdtemp(prefix="pie-ray-", dir="/tmp")      # short: Ray's socket paths live under it
-    # --block: the head's processes are this one's children, stopped with its process group
+    # --block: the head's processes are this one's children, in the process group it leads
     head = subprocess.Popen(
         [str(bin_dir / "ray"), "start", "--head", "--block", "--num-cpus", "2", f"--port={gcs}",
          "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
@@ -119,9 +119,9 @@ def test_ray_job_submit_runs_a_bundle_on_the_clusters_engine(default_model_dir, 
         assert status == JobStatus.SUCCEEDED, logs[-3000:]
         assert '{"greeting": "hello pie", "model": "smollm2-135m-instruct"}' in logs
     finally:
-        if head.poll() is None:
-            os.killpg(head.pid, signal.SIGTERM)
-            head.wait(90)
+        if head.poll() is None:        # the head's own processes, all of them at once (no 30 s drain)
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait(60)
         shutil.rmtree(temp, ignore_errors=True)
 
 
