@@ -25,7 +25,7 @@ from ...tokenizer import Tokenizer
 from ..eta import ProgramCache, argmax
 from ..kernels import compiled_decode
 from ..model.loader import load_checkpoint
-from ..model.tp import Comm, TorchDistComm
+from ..model.tp import Comm, join_group
 from .channels import ChannelStore
 from .saved import SavedSets
 from .scheduler import Epilogue, Lane, PassRequest, Planned, Scheduler
@@ -121,7 +121,7 @@ class Engine:
                 ray.init()                # joins the running cluster if there is one
             init = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
             remote = start_remote_ranks(config, str(model_dir), dev, dt, num_pages, init)
-            comm = TorchDistComm(0, config.tp, init, dev)
+            comm = join_group(0, config.tp, init, dev)
         key = _compile_key(config, model_dir, dev, dt)
         worker = Worker(model_dir, config, device=dev, dtype=dt, num_pages=num_pages, comm=comm,
                         compile=_compiles(config, dev, long_lived, key))

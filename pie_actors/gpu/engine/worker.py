@@ -20,7 +20,7 @@ from ..kernels.compiled_decode import CompiledDecode
 from ..model import ModelConfig, build_model
 from ..model.adapters import AdapterUse
 from ..model.loader import load_checkpoint
-from ..model.tp import Comm, TorchDistComm
+from ..model.tp import Comm, join_group
 
 
 @dataclass
@@ -148,7 +148,7 @@ class WorkerActor:
 
     def serve(self) -> None:
         # The process group is joined here, not in __init__, because joining blocks until rank 0 joins too.
-        comm = TorchDistComm(self.rank, self.config.tp, self.init_method, self.device)
+        comm = join_group(self.rank, self.config.tp, self.init_method, self.device)
         Worker(self.model_dir, self.config, device=self.device, dtype=self.dtype, num_pages=self.num_pages,
                comm=comm).serve()
 

@@ -1,8 +1,9 @@
 """Tensor parallelism: the collective interface and the sharded layers that use it.
 
-Each layer owns its shard of the weight and a `weight_loader(param, full_tensor, shard_id=None)` that
-cuts the rank's slice out of a full checkpoint tensor, so loading is one loop over checkpoint names
-(see `load_weights` in llama.py). Column-parallel layers split output features; row-parallel
+`join_group` gives a rank its collectives: gloo (torch.distributed) on the CPU, NCCL through cupy
+on CUDA, both behind `Comm`. Each layer owns its shard of the weight and a
+`weight_loader(param, full_tensor, shard_id=None)` that cuts the rank's slice out of a full
+checkpoint tensor, so loading is one loop over checkpoint names (see `load_weights` in llama.py). Column-parallel layers split output features; row-parallel
 layers split input features and all-reduce their partial sums.
 """
 from __future__ import annotations
@@ -36,8 +37,14 @@ class Comm:
         pass
 
 
+def join_group(rank: int, world_size: int, init_method: str, device: torch.device) -> Comm:
+    """This rank's collectives: NCCL through cupy on CUDA (CupyNcclComm), gloo on the CPU."""
+    cls = CupyNcclComm if device.type == "cuda" else TorchDistComm
+    return cls(rank, world_size, init_method, device)
+
+
 class TorchDistComm(Comm):
-    """torch.distributed: gloo on CPU, NCCL on CUDA. The same calls serve both backends."""
+    """torch.distributed: gloo on CPU (torch's NCCL on CUDA; `join_group` picks cupy's there)."""
 
     def __init__(self, rank: int, world_size: int, init_method: str, device: torch.device):
         self.rank, self.world_size = rank, world_size
@@ -64,6 +71,50 @@ class TorchDistComm(Comm):
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class CupyNcclComm(TorchDistComm):
+    """CUDA ranks: tensors through NCCL by cupy (`cupy.cuda.nccl`) on the tensor's current stream;
+    batch plans, and the NCCL unique id at set-up, over the gloo group of TorchDistComm."""
+
+    def __init__(self, rank: int, world_size: int, init_method: str, device: torch.device):
+        try:
+            from cupy.cuda import nccl
+        except ImportError as e:
+            raise RuntimeError(f"tensor parallelism on CUDA uses cupy's NCCL: pip install cupy-cuda12x "
+                               f"(or the build of your CUDA version) ({e})") from None
+        super().__init__(rank, world_size, init_method, torch.device("cpu"))    # the gloo group
+        self._nccl = nccl
+        uid = self.broadcast_object(nccl.get_unique_id() if rank == 0 else None)
+        torch.cuda.set_device(device)
+        self._comm = nccl.NcclCommunicator(world_size, uid, rank)
+
+    def _args(self, x: torch.Tensor) -> tuple[int, int, int]:
+        """(count, NCCL dtype, stream) of a call on `x`."""
+        name = str(x.dtype).removeprefix("torch.")
+        if name not in NCCL_DTYPES:
+            raise TypeError(f"no NCCL collective for {x.dtype}; it takes {', '.join(NCCL_DTYPES)}")
+        return x.numel(), getattr(self._nccl, NCCL_DTYPES[name]), torch.cuda.current_stream(x.device).cuda_stream
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        count, dtype, stream = self._args(x)
+        self._comm.allReduce(x.data_ptr(), x.data_ptr(), count, dtype, self._nccl.NCCL_SUM, stream)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        x = x.contiguous()
+        parts = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)
+        self._comm.allGather(x.data_ptr(), parts.data_ptr(), *self._args(x))
+        return torch.cat(parts.unbind(0), dim=dim)
+
+    def close(self) -> None:
+        self._comm.destroy()
+        super().close()
+
+
+NCCL_DTYPES = {"float32": "NCCL_FLOAT32", "float16": "NCCL_FLOAT16", "bfloat16": "NCCL_BFLOAT16",
+               "int32": "NCCL_INT32", "int64": "NCCL_INT64"}     # torch dtype name -> cupy.cuda.nccl's
 
 
 def _shard(x: torch.Tensor, dim: int, comm: Comm) -> torch.Tensor:
