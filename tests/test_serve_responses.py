@@ -162,6 +162,12 @@ def test_function_tools_and_json_schema(server, client):
                                        input=[{"type": "function_call_output", "call_id": call.call_id,
                                                "output": '{"celsius": 21}'}])
     assert answered.output[0].type == "message" and answered.usage.input_tokens > called.usage.input_tokens
+    streamed, kinds = _create(client, True, model="default", input="What is the weather in Paris?", temperature=0,
+                              tools=[{"type": "function", **WEATHER}], tool_choice="required", store=False)
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"]
+    assert streamed.output[-1].arguments == call.arguments
 
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
               "additionalProperties": False}
