@@ -176,6 +176,22 @@ def test_function_tools_and_json_schema(server, client):
     assert set(json.loads(shaped.output_text)) == {"city"}
 
 
+def test_a_client_that_leaves_mid_stream_leaves_no_stored_response_and_no_saved_set(server, client):
+    names = {s["name"] for s in server.runtime.saved(_owner(KEY))}
+    long = {"type": "object", "properties": {"story": {"type": "string", "minLength": 400}}, "required": ["story"]}
+    with client.responses.create(model="default", input="Tell me a story.", temperature=0, stream=True,
+                                 text={"format": {"type": "json_schema", "name": "story", "schema": long}}) as stream:
+        for event in stream:
+            if event.type == "response.created":
+                response_id = event.response.id
+            if event.type == "response.output_text.delta":
+                break                                  # and the connection closes
+    idle(server)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response_id)
+    assert {s["name"] for s in server.runtime.saved(_owner(KEY))} == names
+
+
 def test_bad_requests_get_openai_errors_and_the_store_stays_bounded(server, client):
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model="default", input="Hi", previous_response_id="resp_missing")
