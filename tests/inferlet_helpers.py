@@ -77,7 +77,7 @@ def reachable(runtime: Runtime, name: str, message: str = "probe") -> bool:
     probe = ("from inferlet import session, HostError\nasync def main(input):\n    try:\n"
              f"        session.send_to({name!r}, {message!r})\n    except HostError:\n        return False\n"
              "    return True\n")
-    return runtime.launch(probe, {}).result(60)
+    return runtime.launch(probe, {}).result(300)
 
 
 @contextmanager

@@ -98,7 +98,7 @@ def runtime(default_model_dir):
 
 def _fetch(runtime: Runtime, requests: list[dict], allow: tuple[str, ...]) -> list[dict]:
     limits = dataclasses.replace(runtime.config.limits, allow_hosts=allow)
-    return runtime.launch(FETCH, {"requests": requests}, limits=limits).result(60)
+    return runtime.launch(FETCH, {"requests": requests}, limits=limits).result(300)
 
 
 def test_an_allowed_host_answers_with_status_headers_and_body(runtime, server):

@@ -101,11 +101,11 @@ def runtime(request):
 
 def test_each_senders_messages_arrive_in_order_with_its_name(runtime):
     inbox = runtime.launch(RECEIVER, {"count": 40}, name="inbox")
-    assert next(inbox.events(timeout=60)) == Send("ready")
+    assert next(inbox.events(timeout=300)) == Send("ready")
     senders = [runtime.launch(SENDER, {"to": "inbox", "count": 20}, name=name) for name in ("alpha", "beta")]
-    assert [s.result(60) for s in senders] == [{"sent": 20}] * 2
+    assert [s.result(300) for s in senders] == [{"sent": 20}] * 2
     inbox.send("from the client")
-    result = inbox.result(60)
+    result = inbox.result(300)
     for name in ("alpha", "beta"):
         assert [m["i"] for sender, m in result["got"] if sender == name] == list(range(20))
     assert {sender for sender, _ in result["got"]} == {"alpha", "beta"}
@@ -114,39 +114,39 @@ def test_each_senders_messages_arrive_in_order_with_its_name(runtime):
 
 def test_the_client_is_no_sender(runtime):
     inbox = runtime.launch(RECEIVER, {"count": 1})
-    assert next(inbox.events(timeout=60)) == Send("ready")
+    assert next(inbox.events(timeout=300)) == Send("ready")
     inbox.send({"hello": 1})
     inbox.send("bye")
-    assert inbox.result(60) == {"got": [[None, {"hello": 1}]], "plain": "bye"}
+    assert inbox.result(300) == {"got": [[None, {"hello": 1}]], "plain": "bye"}
 
 
 def test_a_full_mailbox_makes_senders_wait_while_it_drains(runtime):
     """mailbox_size is 4: ten messages get through a slow reader, in order, none lost."""
     inbox = runtime.launch(RECEIVER, {"count": 10, "slow": True}, name="slow")
-    assert next(inbox.events(timeout=60)) == Send("ready")
-    assert runtime.launch(SENDER, {"to": "slow", "count": 10}, name="eager").result(60) == {"sent": 10}
+    assert next(inbox.events(timeout=300)) == Send("ready")
+    assert runtime.launch(SENDER, {"to": "slow", "count": 10}, name="eager").result(300) == {"sent": 10}
     inbox.send("done")
-    assert [m["i"] for _, m in inbox.result(60)["got"]] == list(range(10))
+    assert [m["i"] for _, m in inbox.result(300)["got"]] == list(range(10))
 
 
 def test_a_mailbox_that_stays_full_fails_the_sender_after_its_timeout(runtime):
     deaf = runtime.launch(DEAF, {"count": 4}, name="deaf")
-    assert next(deaf.events(timeout=60)) == Send("ready")
-    result = runtime.launch(STUFFER, {"to": "deaf", "count": 10}).result(60)
+    assert next(deaf.events(timeout=300)) == Send("ready")
+    result = runtime.launch(STUFFER, {"to": "deaf", "count": 10}).result(300)
     assert result["sent"] == 4 and "mailbox of 'deaf' stayed full for 1 s" in result["error"]
     deaf.send_file(b"now read")
-    assert deaf.result(60) == {"left": [0, 1, 2, 3]}       # what was taken is kept, in order
+    assert deaf.result(300) == {"left": [0, 1, 2, 3]}       # what was taken is kept, in order
 
 
 def test_a_process_that_is_not_running_is_an_error_at_once(runtime):
     with pytest.raises(InferletError, match="no running inferlet named 'nobody'"):
-        runtime.launch(SENDER, {"to": "nobody", "count": 1}).result(60)
+        runtime.launch(SENDER, {"to": "nobody", "count": 1}).result(300)
     peer = runtime.launch(ONE, {}, name="peer")
     twice = runtime.launch(TWICE, {"to": "peer"})
-    assert peer.result(60) == {"got": "first"}
+    assert peer.result(300) == {"got": "first"}
     _wait_gone(runtime, "peer")
     twice.send("go")
-    error = twice.result(60)["error"]
+    error = twice.result(300)["error"]
     assert "'peer'" in error and ("no running inferlet" in error or "has ended" in error)
 
 

@@ -52,5 +52,6 @@ def send_to(process: str, message) -> None:
     it gets it from its `session.receive()` (or `receive_from()`). Processes are named at launch
     (`pie run --name`, `runtime.spawn(name=...)`). Returns once the message is in the process's
     mailbox, so one sender's messages arrive in order; a full mailbox makes it wait, up to the
-    config's `send_timeout_s`. A process that is not running is a HostError at once."""
-    _host.call("session.send_to", [str(process), message])
+    config's `send_timeout_s`. A process that is not running is a HostError at once. `process` is a
+    name, or a child from `runtime.spawn`."""
+    _host.call("session.send_to", [str(getattr(process, "name", process)), message])
