@@ -51,6 +51,8 @@ class EngineConfig:
     dtype: str = _doc('"auto" (bfloat16 where the hardware has it, else float32), "float32", "bfloat16" '
                       'or "float16"', default="auto")
     page_size: int = _doc("tokens per KV-cache page", default=16)
+    prefix_cache: bool = _doc("reuse the KV pages of identical prompt prefixes computed before (off: every "
+                              "prompt is computed again, for comparisons)", default=True)
     kv_memory_mb: int = _doc("memory for the KV-cache page pool, per worker", default=1024)
     num_pages: int = _doc("KV-cache pages per worker; 0: as many as fit in kv_memory_mb", default=0)
     max_batch_tokens: int = _doc("most tokens one batched forward pass may hold", default=4096)

@@ -51,6 +51,16 @@ def test_append_commit_free_round_trip():
     store.check()
 
 
+def test_with_the_prefix_cache_off_every_prompt_is_computed():
+    store = KVStore(num_pages=64, page_size=PS, prefix_cache=False)
+    a = filled(store, toks(200))
+    plan = store.append(store.create(), toks(200))
+    assert plan.reused == 0 and plan.start == 0 and len(plan.slots) == 200
+    store.free(a)
+    assert store.append(store.create(), toks(200)).reused == 0
+    store.check()
+
+
 def test_prefix_sharing_between_live_sequences():
     store = KVStore(num_pages=64, page_size=PS)
     a = filled(store, toks(200))

@@ -49,11 +49,12 @@ class _Seq:
 
 
 class KVStore:
-    def __init__(self, num_pages: int, page_size: int = 16) -> None:
+    def __init__(self, num_pages: int, page_size: int = 16, prefix_cache: bool = True) -> None:
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
+        self.prefix_cache = prefix_cache     # off: appends never attach indexed pages (for comparisons)
         self._pool = PagePool(num_pages)
         self._seqs: dict[int, _Seq] = {}
         self._ids = itertools.count()
@@ -149,7 +150,7 @@ class KVStore:
         ps = self.page_size
         # Reuse needs the chain key of s's last page (canonical and fully frozen) and a page
         # boundary with no reserved pages past it, where the attached pages go.
-        if not (s.canonical and s.folded == s.length == len(s.pages) * ps):
+        if not (self.prefix_cache and s.canonical and s.folded == s.length == len(s.pages) * ps):
             return []
         parent = s.keys[-1] if s.keys else s.root
         hits = []

@@ -127,7 +127,8 @@ class Engine:
                         compile=_compiles(config, dev, long_lived, key))
         if worker.compiled is not None:
             worker.compiled.warm_up(key, progress)
-        return cls(worker, KVStore(num_pages, config.page_size), config, tokenizer, remote)
+        return cls(worker, KVStore(num_pages, config.page_size, config.prefix_cache), config, tokenizer,
+                   remote)
 
     # ---- sequences ---------------------------------------------------------------------------
     def create_sequence(self, partition: int = ROOT) -> int:
