@@ -22,7 +22,7 @@ import uuid
 from typing import Any
 
 from .config import EngineConfig
-from .replicas import ENGINE_WAIT_S, EngineGone, Replicas
+from .replicas import ENGINE_WAIT_S, EngineGone, Replicas, ask_named
 from .gpu.engine.wire import EngineAddress
 
 NAME, NAMESPACE = "pie_controller", "pie"
@@ -56,16 +56,7 @@ class Controller:
 
     def _find_actors(self) -> None:
         """After a restart: the inferlet actors still alive, running a process or idle."""
-        import ray
-
-        for name in ray.util.list_named_actors():
-            if not name.startswith(INFERLET_PREFIX):
-                continue
-            actor = ray.get_actor(name)
-            try:
-                node, process, engine = ray.get(actor.whereabouts.remote(), timeout=ENGINE_WAIT_S)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                continue
+        for _, actor, (node, process, engine) in ask_named(INFERLET_PREFIX, "whereabouts"):
             self.nodes[actor._actor_id] = node
             if process is None:
                 self.idle.append(actor)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from .config import EngineConfig
 from .placement import ReplicaView, choose_replica, engine_resources, replica_nodes, uses_gpus
@@ -58,17 +58,8 @@ class Replicas:
     @classmethod
     def find(cls) -> dict[str, Replicas]:
         """The engines running in this namespace, by model (a restarted Controller's view)."""
-        import ray
-
         found: dict[str, list[tuple[int, EngineConfig, Replica]]] = {}
-        for name in ray.util.list_named_actors():
-            if not name.startswith(ENGINE_PREFIX):
-                continue
-            actor = ray.get_actor(name)
-            try:
-                config, address, node = ray.get(actor.describe.remote(), timeout=ENGINE_WAIT_S)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                continue                                      # died for good: not an engine any more
+        for name, actor, (config, address, node) in ask_named(ENGINE_PREFIX, "describe"):
             index = int(name[len(ENGINE_PREFIX):].split(":", 1)[0])
             found.setdefault(config.model, []).append((index, config, Replica(actor, address, node)))
         return {model: cls(entries[0][1], [r for _, _, r in sorted(entries, key=lambda e: e[0])])
@@ -140,3 +131,17 @@ class Replicas:
     def status(self) -> list[dict[str, Any]]:
         return [{"address": [r.address[0], r.address[1]], "node": r.node, "chosen": dict(r.chosen)}
                 for r in self.replicas]
+
+
+def ask_named(prefix: str, method: str) -> Iterator[tuple[str, Any, Any]]:
+    """(name, actor, `method`'s answer) of each live named actor of this namespace whose name
+    starts with `prefix`; one that died for good is left out."""
+    import ray
+
+    for name in ray.util.list_named_actors():
+        if name.startswith(prefix):
+            actor = ray.get_actor(name)
+            try:
+                yield name, actor, ray.get(getattr(actor, method).remote(), timeout=ENGINE_WAIT_S)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                continue

@@ -3,77 +3,29 @@ on one node driving the engine on the other over the data plane, the replica eac
 (its own node's, else by load), and KV pages back on both engines."""
 from __future__ import annotations
 
-import time
 from collections import Counter
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
-from pie_actors import Done, Runtime
+from pie_actors import Runtime
 from pie_actors.controller import NAMESPACE
 from pie_actors.gpu.engine import Engine
 from pie_actors.replicas import ENGINE_PREFIX
+from tests.cluster_helpers import DUMMY, GREEDY, WAITER, two_nodes, until
 
-GREEDY = """
-from inferlet.eta import ForwardPass, Pipeline, StateGeometry, WorkingSet, intrinsics, reduce_argmax
-
-async def main(input):
-    tokens, ws, pipe, done = list(input["prompt"]), WorkingSet(), Pipeline(), 0
-    for _ in range(input["n"]):
-        fwd = ForwardPass()
-        fwd.embed(tokens[done:])
-        fwd.state([ws], StateGeometry.folding())
-        out = fwd.epilogue(lambda: reduce_argmax(intrinsics.output(0, "logits")))
-        pipe.submit(fwd)
-        done = len(tokens)
-        tokens.append(await out)
-    pipe.close()
-    return {"tokens": tokens[len(input["prompt"]):]}
-"""
-WAITER = """
-from inferlet import session
-from inferlet.eta import ForwardPass, Pipeline, StateGeometry, WorkingSet, intrinsics, reduce_argmax
-
-async def main(input):
-    ws, pipe = WorkingSet(), Pipeline()
-    fwd = ForwardPass()
-    fwd.embed(list(input["prompt"]))
-    fwd.state([ws], StateGeometry.folding())
-    first = fwd.epilogue(lambda: reduce_argmax(intrinsics.output(0, "logits")))
-    pipe.submit(fwd)
-    await first
-    session.send("ready")
-    return {"got": await session.receive()}
-"""
-DUMMY = dict(model="dummy", device="cpu", dtype="float32", compile="off", num_pages=64, num_threads=1)
-
-
-class _Nodes(dict):
-    """Node ids by letter; `.cluster` is the Cluster."""
-
-    def __init__(self, ids: dict[str, str], cluster: Cluster) -> None:
-        super().__init__(ids)
-        self.cluster = cluster
+DUMMY = {**DUMMY, "num_pages": 64}
 
 
 @pytest.fixture(scope="module")
-def nodes(default_model_dir):
-    """Node "a" (the head) and node "b", one CPU each, told apart by a custom resource."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 1},
-                                                            "include_dashboard": False})
-    cluster.add_node(num_cpus=1, resources={"node_b": 1})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
-    ids = {key[-1]: n["NodeID"] for n in ray.nodes() for key in n["Resources"] if key in ("node_a", "node_b")}
-    yield _Nodes(ids, cluster=cluster)
-    ray.shutdown()
-    cluster.shutdown()
+def cluster():
+    with two_nodes() as (cluster, ids, _):
+        yield cluster, ids
 
 
 @pytest.fixture(scope="module")
-def cluster(nodes):
-    return nodes.cluster
+def nodes(cluster):
+    return cluster[1]
 
 
 def _engines(model: str) -> list:
@@ -87,13 +39,6 @@ def _referenced(engines: list) -> list[int]:
 
 def _chosen(runtime: Runtime) -> list[Counter]:
     return [Counter(r["chosen"]) for r in runtime.stats()["replicas"]]
-
-
-def _until(predicate, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.05)
 
 
 def test_replicas_one_per_node_and_each_process_uses_its_nodes(nodes):
@@ -112,7 +57,7 @@ def test_replicas_one_per_node_and_each_process_uses_its_nodes(nodes):
         assert chosen[nodes["b"]] == {"local": 2} and chosen[nodes["a"]] == {"local": 1}
         served = {r["node"]: a["requests"] - b["requests"] for r, a, b in zip(replicas, after, before)}
         assert served[nodes["b"]] > served[nodes["a"]] > 0         # each process's passes went to its node's
-        _until(lambda: _referenced(engines) == start)
+        until(lambda: _referenced(engines) == start)
 
 
 def test_a_process_on_one_node_drives_the_engine_on_the_other_exactly(nodes, default_model_dir):
@@ -126,7 +71,7 @@ def test_a_process_on_one_node_drives_the_engine_on_the_other_exactly(nodes, def
         start = _referenced(engines)
         processes = [runtime.launch(GREEDY, {"prompt": p, "n": 10}, node=other) for p in prompts]
         got = [p.result(timeout=180)["tokens"] for p in processes]
-        _until(lambda: _referenced(engines) == start)
+        until(lambda: _referenced(engines) == start)
         host = runtime.stats()["replicas"][0]["address"][0]
         assert host not in ("127.0.0.1", "0.0.0.0") and host == ray.util.get_node_ip_address()
     direct = Engine.from_model(str(default_model_dir), device="cpu", dtype="float32", compile="off", num_pages=64)
@@ -137,6 +82,7 @@ def test_a_process_on_one_node_drives_the_engine_on_the_other_exactly(nodes, def
 
 
 def test_without_a_local_replica_the_prefix_then_the_least_loaded_one_is_chosen(nodes, cluster):
+    cluster = cluster[0]
     """Replicas on nodes a and b; node c, added later, has none. A process on c goes to the replica
     caching most of its first pass, else to the one with fewer live sequences."""
     with Runtime.connect(replicas=2, **DUMMY) as runtime:
@@ -162,6 +108,6 @@ def test_without_a_local_replica_the_prefix_then_the_least_loaded_one_is_chosen(
             assert chosen[on_a] == {"local": 1, "prefix": 1}          # a's holds the waiter's pages
             assert chosen[1 - on_a] == {"least_loaded": 1}            # the idle one, not a's (busy)
             assert tuple(launched["engine"][:2]) == tuple(replicas[on_a]["address"])
-            _until(lambda: _referenced(engines) == start)
+            until(lambda: _referenced(engines) == start)
         finally:
             cluster.remove_node(node_c)

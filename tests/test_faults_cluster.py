@@ -7,63 +7,21 @@ import time
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 from pie_actors import Failed, InferletError, Runtime, Send
 from pie_actors.controller import INFERLET_PREFIX, NAME, NAMESPACE
 from pie_actors.replicas import ENGINE_PREFIX
+from tests.cluster_helpers import DUMMY, GREEDY, WAITER, two_nodes, until
 
-STREAMER = """
-from inferlet import session
-from inferlet.eta import ForwardPass, Pipeline, StateGeometry, WorkingSet, intrinsics, reduce_argmax
-
-async def main(input):
-    tokens, ws, pipe, done = list(input["prompt"]), WorkingSet(), Pipeline(), 0
-    for _ in range(input["n"]):
-        fwd = ForwardPass()
-        fwd.embed(tokens[done:])
-        fwd.state([ws], StateGeometry.folding())
-        out = fwd.epilogue(lambda: reduce_argmax(intrinsics.output(0, "logits")))
-        pipe.submit(fwd)
-        done = len(tokens)
-        tokens.append(await out)
-        session.send(str(tokens[-1]))
-    pipe.close()
-    return {"tokens": tokens[len(input["prompt"]):]}
-"""
-WAITER = """
-from inferlet import session
-from inferlet.eta import ForwardPass, Pipeline, StateGeometry, WorkingSet, intrinsics, reduce_argmax
-
-async def main(input):
-    ws, pipe = WorkingSet(), Pipeline()
-    fwd = ForwardPass()
-    fwd.embed(list(input["prompt"]))
-    fwd.state([ws], StateGeometry.folding())
-    first = fwd.epilogue(lambda: reduce_argmax(intrinsics.output(0, "logits")))
-    pipe.submit(fwd)
-    token = await first
-    session.send("ready")
-    return {"got": await session.receive(), "token": token}
-"""
-DUMMY = dict(model="dummy", device="cpu", dtype="float32", compile="off", num_pages=256, num_threads=1)
 PROMPT = list(range(1, 40))
 LONG = 400                      # tokens a victim would generate: it is killed long before
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Node "a" (the head) and node "b"; the Runtime on the dummy model, one engine replica per node."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 1},
-                                                            "include_dashboard": False})
-    worker = cluster.add_node(num_cpus=1, resources={"node_b": 1})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
-    ids = {key[-1]: n["NodeID"] for n in ray.nodes() for key in n["Resources"] if key in ("node_a", "node_b")}
-    with Runtime.connect(replicas=2, **DUMMY) as runtime:
+    """The Runtime on the dummy model with one engine replica per node of the two."""
+    with two_nodes() as (cluster, ids, worker), Runtime.connect(replicas=2, **DUMMY) as runtime:
         yield runtime, ids, cluster, worker
-    ray.shutdown()
-    cluster.shutdown()
 
 
 def _engine_on(node: str):
@@ -86,13 +44,6 @@ def _actor_of(process_name: str):
             except ray.exceptions.RayActorError:
                 continue
     raise LookupError(process_name)
-
-
-def _until(predicate, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.1)
 
 
 def _referenced(engine) -> int:
@@ -120,10 +71,10 @@ def _first_sends(process, n: int) -> None:
 def test_a_killed_inferlet_actor_fails_its_process_and_returns_its_pages(cluster):
     runtime, nodes, _, _ = cluster
     engine = _engine_on(nodes["a"])
-    want = runtime.launch(STREAMER, {"prompt": [5, 6, 7], "n": 24}, node=nodes["a"]).result(timeout=120)
+    want = runtime.launch(GREEDY, {"prompt": [5, 6, 7], "n": 24}, node=nodes["a"]).result(timeout=120)
     start = _referenced(engine)
-    victim = runtime.launch(STREAMER, {"prompt": PROMPT, "n": LONG}, node=nodes["a"])
-    other = runtime.launch(STREAMER, {"prompt": [5, 6, 7], "n": 24}, node=nodes["a"])
+    victim = runtime.launch(GREEDY, {"prompt": PROMPT, "n": LONG}, node=nodes["a"])
+    other = runtime.launch(GREEDY, {"prompt": [5, 6, 7], "n": 24}, node=nodes["a"])
     _first_sends(victim, 3)
     ray.kill(_actor_of(victim.name))
     t0 = time.monotonic()
@@ -131,17 +82,17 @@ def test_a_killed_inferlet_actor_fails_its_process_and_returns_its_pages(cluster
         victim.result(timeout=30)
     assert failed.value.kind == "trap" and time.monotonic() - t0 < 30
     assert other.result(timeout=120) == want                           # its neighbour, exactly
-    _until(lambda: _referenced(engine) == start)                       # the dropped connection's pages
-    _until(lambda: victim.name not in [p["name"] for p in _status()["processes"]])
-    _until(lambda: _status()["idle_actors"] >= 2)                      # the pool refilled
+    until(lambda: _referenced(engine) == start)                       # the dropped connection's pages
+    until(lambda: victim.name not in [p["name"] for p in _status()["processes"]])
+    until(lambda: _status()["idle_actors"] >= 2)                      # the pool refilled
 
 
 def test_a_killed_engine_fails_its_programs_and_restarts_for_new_ones(cluster):
     runtime, nodes, _, _ = cluster
     engine = _engine_on(nodes["b"])
-    want = runtime.launch(STREAMER, {"prompt": [9, 8, 7], "n": 12}, node=nodes["b"]).result(timeout=120)
+    want = runtime.launch(GREEDY, {"prompt": [9, 8, 7], "n": 12}, node=nodes["b"]).result(timeout=120)
     before = ray.get(engine.address.remote())
-    running = [runtime.launch(STREAMER, {"prompt": PROMPT, "n": LONG}, node=nodes["b"]) for _ in range(2)]
+    running = [runtime.launch(GREEDY, {"prompt": PROMPT, "n": LONG}, node=nodes["b"]) for _ in range(2)]
     for p in running:
         _first_sends(p, 2)
     ray.kill(engine, no_restart=False)                                 # Ray restarts it (max_restarts)
@@ -149,11 +100,11 @@ def test_a_killed_engine_fails_its_programs_and_restarts_for_new_ones(cluster):
         end = [e for e in p.events(timeout=60)][-1]
         # the host's typed error, raised in the inferlet (which does not catch it)
         assert isinstance(end, Failed) and "ConnectionLost: the connection to the engine" in end.message, end
-    again = runtime.launch(STREAMER, {"prompt": [9, 8, 7], "n": 12}, node=nodes["b"])
+    again = runtime.launch(GREEDY, {"prompt": [9, 8, 7], "n": 12}, node=nodes["b"])
     assert again.result(timeout=180) == want                           # the restarted engine, its new port
     after = ray.get(engine.address.remote(), timeout=60)
     assert (after.host, after.port) != (before.host, before.port)
-    _until(lambda: _referenced(engine) == 0)
+    until(lambda: _referenced(engine) == 0)
 
 
 def test_a_killed_controller_restarts_and_finds_its_engines_and_processes(cluster):
@@ -163,14 +114,14 @@ def test_a_killed_controller_restarts_and_finds_its_engines_and_processes(cluste
     engines = _status()["replicas"]["dummy"]
     ray.kill(ray.get_actor(NAME, namespace=NAMESPACE), no_restart=False)
     # the new instance is the one that has launched nothing yet
-    _until(lambda: (_restarted_status() or {}).get("launches") == 0, timeout=120)
+    until(lambda: (_restarted_status() or {}).get("launches") == 0, timeout=120)
     status = _status()
     assert [r["node"] for r in status["replicas"]["dummy"]] == [r["node"] for r in engines]
     assert waiter.name in [p["name"] for p in status["processes"]]     # asked of the live actors
     waiter.send("still here")                                          # the run never noticed
     assert waiter.result(timeout=60)["got"] == "still here"
-    _until(lambda: waiter.name not in [p["name"] for p in _status()["processes"]])
-    assert runtime.launch(STREAMER, {"prompt": [1, 2], "n": 3}).result(timeout=120)["tokens"]
+    until(lambda: waiter.name not in [p["name"] for p in _status()["processes"]])
+    assert runtime.launch(GREEDY, {"prompt": [1, 2], "n": 3}).result(timeout=120)["tokens"]
 
 
 def test_a_lost_node_fails_its_programs_and_the_other_node_goes_on(cluster):
@@ -186,6 +137,6 @@ def test_a_lost_node_fails_its_programs_and_the_other_node_goes_on(cluster):
     assert isinstance(end, Failed) and end.kind == "trap", end          # its actor went with the node
     on_a.send("go on")
     assert on_a.result(timeout=60)["got"] == "go on"
-    _until(lambda: _referenced(engine_a) == start)
+    until(lambda: _referenced(engine_a) == start)
     # a new program runs on node a's engine (b's died with its node: Ray cannot restart it there)
-    assert runtime.launch(STREAMER, {"prompt": [3, 4], "n": 3}, node=nodes["a"]).result(timeout=180)["tokens"]
+    assert runtime.launch(GREEDY, {"prompt": [3, 4], "n": 3}, node=nodes["a"]).result(timeout=180)["tokens"]
