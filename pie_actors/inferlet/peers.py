@@ -89,12 +89,13 @@ class ClusterPeers:
 
         end, pause = time.monotonic() + timeout, 0.002
         while True:
-            actor = self._actors.get(name) or self._lookup(name, timeout)
+            actor = self._actors.get(name) or self._lookup(name, max(0.001, end - time.monotonic()))
             try:
                 # A blocking call: the actor runs `deliver` on one of several threads, and Ray keeps
-                # the submission order of one caller's tasks only for actors that run one task at a
-                # time (docs.ray.io, "Actor task execution order": not for threaded or async actors).
-                # So the next message of this sender goes once this one is in the mailbox.
+                # the submission order of one submitter's tasks only for synchronous single-threaded
+                # actors, not for threaded or async ones ("Actor Task Execution Order",
+                # docs.ray.io/en/latest/ray-core/actors/task-orders.html). So the next message of
+                # this sender goes once this one is in the mailbox.
                 found = ray.get(actor.deliver.remote(message, (self.owner, name), self.sender),
                                 timeout=max(0.001, end - time.monotonic()))
             except ray.exceptions.GetTimeoutError:
