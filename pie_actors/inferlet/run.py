@@ -69,7 +69,8 @@ class Run:
         self.owner = owner
         self._lock = threading.Lock()
         self._host: InferletHost | None = None
-        self._early: list[tuple[str, Any]] = []       # ("message", (message, sender)) | ("file", data) before the host exists
+        # what arrives before the host exists: ("message", (message, sender)) or ("file", data)
+        self._early: list[tuple[str, Any]] = []
         self._cancelled: str | None = None
 
     def start(self) -> threading.Thread:
