@@ -1,0 +1,1 @@
+../planner_executor/toolcall.py
