@@ -7,7 +7,8 @@ sends every agent what the others said last (`session.send_to`), and takes their
 rounds, so a round computes only its new tokens. After the last round the judge reads the
 arguments and names the side that argued best.
 
-Input (all optional): "motion", "rounds" (3), "max_tokens" per argument (24).
+Input (all optional): "motion", "rounds" (3), "max_tokens" per argument (24), "nodes" (Ray node
+ids the agents go onto in turn; else the cluster places them).
 Output: {"agents": {stance: process name}, "transcript": [{"round", "stance", "text"}],
 "verdict", "agents_done": [what each agent returned]}.
 """
@@ -23,12 +24,12 @@ STANCES = ("for", "against", "undecided")
 async def main(input: dict) -> dict:
     motion = input.get("motion", "Cities should ban cars from their centres.")
     rounds, max_tokens = int(input.get("rounds", 3)), int(input.get("max_tokens", 24))
-    me = runtime.name()
+    me, nodes = runtime.name(), input.get("nodes") or [None]
     agents = {}
-    for stance in STANCES:
+    for i, stance in enumerate(STANCES):
         child = await runtime.spawn("agent", {"judge": me, "motion": motion, "stance": stance,
                                               "rounds": rounds, "max_tokens": max_tokens},
-                                    name=f"{me}/{stance}")
+                                    name=f"{me}/{stance}", node=nodes[i % len(nodes)])
         agents[stance] = child
     stance_of = {child.name: stance for stance, child in agents.items()}
 
