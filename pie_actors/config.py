@@ -150,6 +150,9 @@ class RunLimits:
                                         "private addresses are refused unless named here", default=())
     http_timeout_s: float = _doc("the longest one http.fetch may take, in seconds", default=30.0)
     http_response_mb: int = _doc("the largest response body http.fetch accepts, in MiB", default=8)
+    restarts: int = _doc("times a run that declared itself restartable (runtime.declare_restartable) is "
+                         "launched again, on its input, after its engine was lost under it (on a Ray "
+                         "cluster, where Ray restarts the engine)", default=3)
 
     def __post_init__(self) -> None:
         if isinstance(self.allow_hosts, list):
@@ -163,7 +166,7 @@ class RunLimits:
         if not self.timeout_s > 0:
             raise ConfigError(f"limits.timeout_s must be positive, got {self.timeout_s!r}")
         _check_min(self, "limits", memory_mb=16, table_elements=1, instances=1, tables=1, memories=1,
-                   message_mb=1, run_ahead_window=1, channel_capacity=1, mailbox_size=1, http_response_mb=1)
+                   message_mb=1, run_ahead_window=1, channel_capacity=1, mailbox_size=1, http_response_mb=1, restarts=0)
         _check_min(self, "limits", kv_pages=0)
 
 

@@ -45,18 +45,21 @@ class Done:
 
 @dataclass(frozen=True)
 class Failed:
-    """The run ended without a result. `kind` is one of InferletError.KINDS."""
+    """The run ended without a result. `kind` is one of InferletError.KINDS. `restartable`: the
+    program declared itself restartable and its engine was lost under it, so its launcher may run it
+    again from the start (Runtime.connect does, up to `limits.restarts` times)."""
 
     kind: str
     message: str
     traceback: str = ""
+    restartable: bool = False
 
     def error(self) -> InferletError:
         return InferletError(self.kind, self.message, self.traceback)
 
     @classmethod
-    def of(cls, error: InferletError) -> Failed:
-        return cls(error.kind, error.message, error.guest_traceback)
+    def of(cls, error: InferletError, restartable: bool = False) -> Failed:
+        return cls(error.kind, error.message, error.guest_traceback, restartable)
 
 
 Event = Union[Send, File, Done, Failed]
@@ -135,6 +138,11 @@ class Process:
     def emit(self, event: Event) -> None:
         """The backend's side: the run produced `event` (any thread)."""
         self._stream.put(event)
+
+    def relaunched(self, control: Control) -> None:
+        """The backend's side: the run starts again (a restartable one, its engine lost), controlled
+        by `control`; its events follow those of the run before."""
+        self._control = control
 
     @property
     def ended(self) -> bool:

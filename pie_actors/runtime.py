@@ -18,6 +18,7 @@ import itertools
 import os
 import socket
 import threading
+import time
 from functools import partial
 from typing import Any, Callable
 
@@ -30,6 +31,8 @@ from .program import Program
 from .replicas import EngineGone
 
 __all__ = ["Runtime"]
+
+RELAUNCH_WAIT_S = 30.0       # the longest a restartable run waits for the Controller to free its name
 
 
 class Runtime:
@@ -255,25 +258,52 @@ class _Cluster:
 
     def launch(self, program: Program, input: Any, name: str | None, owner: str | None,
                files: dict[str, bytes], limits: RunLimits, node: str | None = None) -> Process:
+        launched = self._launch(name, owner, node)
+        process = Process(launched["process"][1], _ActorControl(launched["actor"], launched["process"]))
+        self._run(process, launched, program, input, files, limits, node)
+        return process
+
+    def _launch(self, name: str | None, owner: str | None, node: str | None) -> dict[str, Any]:
         import ray
 
         from . import controller
 
         try:
-            launched = controller.ask(self.controller, "launch", self.config.engine.model, name, owner, node)
+            return controller.ask(self.controller, "launch", self.config.engine.model, name, owner, node)
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, ValueError):       # the name is taken
                 raise ValueError(str(e.cause)) from None
             if isinstance(e.cause, EngineGone):
                 raise EngineGone(str(e.cause)) from None
             raise
+
+    def _run(self, process: Process, launched: dict[str, Any], program: Program, input: Any,
+             files: dict[str, bytes], limits: RunLimits, node: str | None) -> None:
         key, actor = launched["process"], launched["actor"]
-        process = Process(key[1], _ActorControl(actor, key))
         stream = actor.run.remote(program, input, launched["engine"], limits, files=files, process=key,
                                   controller=self.controller)
         lost = partial(self.controller.lost.remote, key)
-        asyncio.run_coroutine_threadsafe(_pump(stream, process, lost), self.loop)
-        return process
+        again = None
+        if limits.restarts > 0:
+            again = partial(self._relaunch, process, key[0], program, input, files,
+                            dataclasses.replace(limits, restarts=limits.restarts - 1), node)
+        asyncio.run_coroutine_threadsafe(_pump(stream, process, lost, again), self.loop)
+
+    def _relaunch(self, process: Process, owner: str | None, program: Program, input: Any,
+                  files: dict[str, bytes], limits: RunLimits, node: str | None) -> None:
+        """Run a restartable process again under its name, once the Controller has let go of the
+        name (the ended run's actor reports it after its last event) and its engine is back."""
+        deadline = time.monotonic() + RELAUNCH_WAIT_S
+        while True:
+            try:
+                launched = self._launch(process.name, owner, node)
+                break
+            except ValueError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        process.relaunched(_ActorControl(launched["actor"], launched["process"]))
+        self._run(process, launched, program, input, files, limits, node)
 
     def saved(self, owner: str | None) -> list[dict[str, Any]]:
         import ray
@@ -317,13 +347,21 @@ class _Cluster:
             ray.shutdown()
 
 
-async def _pump(stream: Any, process: Process, lost: Callable[[], Any]) -> None:
+async def _pump(stream: Any, process: Process, lost: Callable[[], Any],
+                again: Callable[[], None] | None = None) -> None:
     """Hand the events of an actor's run to its Process as they arrive; `lost` tells the
-    Controller when the actor died under the run."""
+    Controller when the actor died under the run. `again` runs a restartable run once more (a
+    pump of its own takes over) when it fails for its engine."""
     last = None
     try:
         async for ref in stream:
             last = await ref
+            if isinstance(last, Failed) and last.restartable and again is not None:
+                try:
+                    await asyncio.to_thread(again)
+                    return
+                except Exception as e:
+                    last = dataclasses.replace(last, message=f"{last.message} (not restarted: {type(e).__name__}: {e})")
             process.emit(last)
     except asyncio.CancelledError:    # the runtime closed: its reader must not wait forever
         process.emit(Failed("cancelled", "the runtime closed"))

@@ -8,7 +8,7 @@ import time
 import pytest
 import ray
 
-from pie_actors import Failed, InferletError, Runtime, Send
+from pie_actors import Done, Failed, InferletError, Runtime, Send
 from pie_actors.controller import INFERLET_PREFIX, NAME, NAMESPACE
 from pie_actors.replicas import ENGINE_PREFIX
 from tests.cluster_helpers import DUMMY, GREEDY, WAITER, two_nodes, until
@@ -105,6 +105,22 @@ def test_a_killed_engine_fails_its_programs_and_restarts_for_new_ones(cluster):
     after = ray.get(engine.address.remote(), timeout=60)
     assert (after.host, after.port) != (before.host, before.port)
     until(lambda: _referenced(engine) == 0)
+
+
+def test_a_restartable_program_runs_again_after_its_engine_restarts_with_the_same_output(cluster):
+    runtime, nodes, _, _ = cluster
+    restartable = STREAMER.replace("async def main(input):\n",
+                                   "async def main(input):\n    runtime.declare_restartable()\n"
+                                   ).replace("import session", "import runtime, session")
+    want = runtime.launch(restartable, {"prompt": PROMPT, "n": LONG}, node=nodes["b"]).result(timeout=180)
+    process = runtime.launch(restartable, {"prompt": PROMPT, "n": LONG}, node=nodes["b"])
+    _first_sends(process, 2)
+    ray.kill(_engine_on(nodes["b"]), no_restart=False)
+    events = list(process.events(timeout=180))
+    assert isinstance(events[-1], Done) and events[-1].output == want, events[-1]   # greedy: the same tokens
+    sends = [e for e in events if isinstance(e, Send)]
+    assert len(sends) >= LONG + 2          # the first run's two or more, then the second run's from the start
+    _until(lambda: _referenced(_engine_on(nodes["b"])) == 0)
 
 
 def test_a_killed_controller_restarts_and_finds_its_engines_and_processes(cluster):

@@ -220,6 +220,11 @@ class EngineClient:
         self._reader_task.cancel()
         await asyncio.gather(self._reader_task, return_exceptions=True)
 
+    @property
+    def lost_engine(self) -> bool:
+        """Whether the connection ended from the engine's side (it closed, reset or died)."""
+        return self._lost is not None and self._lost != "was closed by the client"
+
     def _connection_lost(self) -> EngineError:
         host, port = self.address
         return EngineError("ConnectionLost", f"the connection to the engine at {host}:{port} {self._lost}")

@@ -72,6 +72,7 @@ class Run:
         # what arrives before the host exists: ("message", (message, sender)) or ("file", data)
         self._early: list[tuple[str, Any]] = []
         self._cancelled: str | None = None
+        self._restartable = False      # it declared so, and its engine connection was lost
 
     def start(self) -> threading.Thread:
         """Run on a thread of its own."""
@@ -84,7 +85,7 @@ class Run:
         try:
             self.emit(Done(self._run()))
         except InferletError as e:
-            self.emit(Failed.of(e))
+            self.emit(Failed.of(e, self._restartable))
         except Exception as e:           # a bundle that does not build, say
             self.emit(Failed("trap", f"{type(e).__name__}: {e}"))
 
@@ -106,6 +107,7 @@ class Run:
         try:
             return sandbox.run(self.program.source, self.input, host, limits=self.limits)
         finally:
+            self._restartable = host.state.restartable and host.state.client.lost_engine
             with self._lock:
                 self._host = None
 

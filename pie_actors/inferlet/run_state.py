@@ -60,6 +60,7 @@ class RunState:
         self._thread = threading.Thread(target=self._run_loop, name="inferlet-host", daemon=True)
         self._thread.start()
         self._closed = False
+        self.restartable = False     # runtime.declare_restartable: may run again if its engine is lost
         try:
             self.client: EngineClient = self._wait(
                 EngineClient.connect(*engine_address, owner=owner, kv_pages=limits.kv_pages), CONNECT_TIMEOUT_S)

@@ -40,7 +40,10 @@ class SpawnOps:
 
     def ops(self) -> dict[str, Callable[[Any], Any]]:
         return {"runtime.spawn": self.spawn, "runtime.result": self.result, "runtime.kill": self.kill,
-                "runtime.name": self.name}
+                "runtime.name": self.name, "runtime.declare_restartable": self.declare_restartable}
+
+    def declare_restartable(self, args: Any) -> None:
+        self.run.restartable = True
 
     def _peers(self) -> Peers:
         if self.peers is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from . import _host
 
-__all__ = ["spawn", "Child", "name"]
+__all__ = ["spawn", "Child", "name", "declare_restartable"]
 
 
 class Child:
@@ -46,6 +46,14 @@ async def spawn(program: str, input=None, *, name: str | None = None, detached: 
     info = _host.call("runtime.spawn", {"program": _program(str(program)), "input": input, "name": name,
                                         "detached": bool(detached), "node": node, "model": model})
     return Child(info["id"], info["name"])
+
+
+def declare_restartable() -> None:
+    """This program may run again from its start, on the same input, if its engine is lost under it
+    (on a Ray cluster the engine's actor restarts): the run fails as usual, and its launcher starts
+    it again, up to `[limits] restarts` times. What it sent before streams again from the start, so
+    declare it where a rerun is harmless: greedy decoding gives the same output."""
+    _host.call("runtime.declare_restartable")
 
 
 def name() -> str:
