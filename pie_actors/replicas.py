@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -42,18 +43,21 @@ class Replicas:
 
     @classmethod
     def start(cls, config: EngineConfig, long_lived: bool = True) -> Replicas:
-        """Start `config.replicas` engines and wait until each serves."""
+        """Start `config.replicas` engines, all at once (each loads the model), and wait until
+        each serves."""
         import ray
 
         from .gpu.engine.actor import start_engine_actor
 
-        resources = engine_resources(config, uses_gpus(config, ray.cluster_resources().get("GPU", 0)))
-        started = []
-        for i, node in enumerate(replica_nodes(ray.nodes(), resources, config.replicas)):
+        def start(i: int, node: str | None) -> Replica:
             actor, address = start_engine_actor(config, name=f"{ENGINE_PREFIX}{i}:{config.model}", detached=True,
                                                 node=node, long_lived=long_lived, max_restarts=ENGINE_RESTARTS)
-            started.append(Replica(actor, address, ray.get(actor.node.remote())))
-        return cls(config, started)
+            return Replica(actor, address, ray.get(actor.node.remote()))
+
+        resources = engine_resources(config, uses_gpus(config, ray.cluster_resources().get("GPU", 0)))
+        nodes = replica_nodes(ray.nodes(), resources, config.replicas)
+        with ThreadPoolExecutor(len(nodes)) as pool:
+            return cls(config, list(pool.map(start, range(len(nodes)), nodes)))
 
     @classmethod
     def find(cls) -> dict[str, Replicas]:
