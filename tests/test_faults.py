@@ -12,32 +12,15 @@ import openai
 import pytest
 
 from pie_actors import InferletError, Runtime
-from serve_helpers import KEY, chat_prompt, greedy_text, idle, start
+from cluster_helpers import GREEDY
 from inferlet_helpers import settle
+from serve_helpers import KEY, chat_prompt, greedy_text, idle, start
 
-DECODE = """
-from inferlet import model
-from inferlet.eta import ForwardPass, Pipeline, StateGeometry, WorkingSet, intrinsics, reduce_argmax
-
-async def main(input):
-    tokens = model.encode(input["prompt"])
-    ws, pipe, done, new = WorkingSet(), Pipeline(), 0, []
-    for _ in range(8):
-        fwd = ForwardPass()
-        fwd.embed(tokens[done:])
-        fwd.state([ws], StateGeometry.folding())
-        out = fwd.epilogue(lambda: reduce_argmax(intrinsics.output(0, "logits")))
-        pipe.submit(fwd)
-        done = len(tokens)
-        tokens.append(await out)
-        new.append(tokens[-1])
-    return new
-"""
 PROMPTS = [f"Count from {n} to {n + 5}:" for n in range(1, 7)]
 FAIL_BATCH = 6             # past the prefills, in the middle of the decode
 
 
-def outcome(process) -> list[int] | str:
+def outcome(process) -> dict | str:
     try:
         return process.result(timeout=120)
     except InferletError as e:
@@ -48,7 +31,9 @@ def test_a_failed_batch_fails_its_passes_only_and_the_next_passes_succeed(defaul
     with Runtime.local(str(default_model_dir), dtype="float32", num_pages=256, timeout_s=120, compile="off",
                        fail_batch=FAIL_BATCH) as rt:
         start_pages = rt.stats()["kv"]["referenced"]
-        processes = [rt.launch(DECODE, {"prompt": p}) for p in PROMPTS]
+        tok = rt.engine.tokenizer
+        prompts = [tok.encode(p) for p in PROMPTS]
+        processes = [rt.launch(GREEDY, {"prompt": p, "n": 8}) for p in prompts]
         first = [outcome(p) for p in processes]
         assert rt.engine.batches_run >= FAIL_BATCH
         failed = [o for o in first if isinstance(o, str)]
@@ -56,9 +41,8 @@ def test_a_failed_batch_fails_its_passes_only_and_the_next_passes_succeed(defaul
         assert all("injected fault: batch 6 failed" in message for message in failed), failed
         settle(rt, start_pages)                               # the failed batch's pages are rolled back and freed
         # the next passes succeed, and each program's tokens are the engine's greedy decode
-        tok = rt.engine.tokenizer
-        expected = rt.engine.generate([tok.encode(p) for p in PROMPTS], 8, ignore_eos=True)
-        again = [rt.launch(DECODE, {"prompt": p}) for p in PROMPTS]
+        expected = [{"tokens": t} for t in rt.engine.generate(prompts, 8, ignore_eos=True)]
+        again = [rt.launch(GREEDY, {"prompt": p, "n": 8}) for p in prompts]
         assert [p.result(timeout=120) for p in again] == expected
         assert [o for o in first if not isinstance(o, str)] == [e for e, o in zip(expected, first)
                                                                if not isinstance(o, str)]
