@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from .config import Config, RunLimits, load
 from .gpu.engine.wire import EngineAddress
-from .inferlet.peers import UnknownProcess
+from .inferlet.peers import GONE, UnknownProcess
 from .kvstore import UnknownSaved
 from .process import Done, Failed, Process
 from .program import Program
@@ -32,6 +32,7 @@ from .replicas import EngineGone
 
 __all__ = ["Runtime"]
 
+START_WAIT_S = 30.0          # the longest a launcher's message waits for its process's run to begin
 RELAUNCH_WAIT_S = 30.0       # the longest a restartable run waits for the Controller to free its name
 
 
@@ -215,16 +216,32 @@ class _LocalPeers:
 
 class _ActorControl:
     """A process's control (see process.Control) through its InferletActor; `key` is the
-    process's (owner, name)."""
+    process's (owner, name). Messages and files go out one at a time, in order, from the runtime's
+    `loop`: Ray keeps no order among one caller's calls to a threaded actor (see peers.py), and one
+    that reaches the actor before its run has begun is sent again until it has (START_WAIT_S at most)."""
 
-    def __init__(self, actor: Any, key: tuple[str | None, str]) -> None:
-        self.actor, self.key = actor, key
+    def __init__(self, actor: Any, key: tuple[str | None, str], loop: asyncio.AbstractEventLoop) -> None:
+        self.actor, self.key, self.loop = actor, key, loop
+        self._last: Any = None                  # the delivery sent before, as a concurrent Future
+        self._lock = threading.Lock()
 
     def deliver(self, message: Any) -> None:
-        self.actor.deliver.remote(message, self.key)
+        self._in_order(self.actor.deliver, message)
 
     def deliver_file(self, data: bytes) -> None:
-        self.actor.deliver_file.remote(data, self.key)
+        self._in_order(self.actor.deliver_file, data)
+
+    def _in_order(self, method: Any, payload: Any) -> None:
+        with self._lock:
+            self._last = asyncio.run_coroutine_threadsafe(self._send(self._last, method, payload), self.loop)
+
+    async def _send(self, before: Any, method: Any, payload: Any) -> None:
+        if before is not None:
+            await asyncio.wait([asyncio.wrap_future(before)])
+        end, pause = time.monotonic() + START_WAIT_S, 0.005
+        while await method.remote(payload, self.key) in (GONE, False) and time.monotonic() < end:
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 0.1)
 
     def cancel(self, reason: str) -> None:
         self.actor.cancel.remote(self.key, reason)
@@ -259,7 +276,7 @@ class _Cluster:
     def launch(self, program: Program, input: Any, name: str | None, owner: str | None,
                files: dict[str, bytes], limits: RunLimits, node: str | None = None) -> Process:
         launched = self._launch(name, owner, node)
-        process = Process(launched["process"][1], _ActorControl(launched["actor"], launched["process"]))
+        process = Process(launched["process"][1], _ActorControl(launched["actor"], launched["process"], self.loop))
         self._run(process, launched, program, input, files, limits, node)
         return process
 
@@ -302,7 +319,7 @@ class _Cluster:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
-        process.relaunched(_ActorControl(launched["actor"], launched["process"]))
+        process.relaunched(_ActorControl(launched["actor"], launched["process"], self.loop))
         self._run(process, launched, program, input, files, limits, node)
 
     def saved(self, owner: str | None) -> list[dict[str, Any]]:
