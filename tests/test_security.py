@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import msgpack
 import pytest
@@ -53,6 +54,15 @@ def raw_frames(address: wire.EngineAddress, body: bytes | None) -> list[dict]:
         while (frame := read()) is not None:
             frames.append(frame)
     return frames
+
+
+def released(server: EngineServer) -> dict:
+    """The engine's KV pages once the server has released every closed connection's working sets."""
+    end = time.monotonic() + 30
+    while server.stats()["connections"] and time.monotonic() < end:
+        time.sleep(0.01)
+    assert server.stats()["connections"] == 0
+    return server.engine.kv_stats()
 
 
 def request_body(op: str = "create", **fields) -> bytes:
@@ -104,7 +114,32 @@ def test_a_connection_that_does_not_prove_the_secret_is_refused_before_any_reque
 
     before, after = asyncio.run(main())
     assert before == after == want
-    assert engine.kv_stats()["referenced"] == 0
+    assert released(server)["referenced"] == 0
+
+
+def test_a_connection_acts_only_for_the_owner_it_named(plane):
+    """Saved working sets are an owner's: a connection that named another at its handshake gets a
+    BadRequest for each request about them, and the set is untouched."""
+    engine, server = plane
+
+    async def main() -> None:
+        async with await EngineClient.connect(*server.address, owner="a") as a, \
+                await EngineClient.connect(*server.address, owner="b") as b:
+            seq = await a.create()
+            await a.forward([{"seq": seq, "tokens": PROMPT * 5}])
+            kept = await a.save(seq, "notes", "a")
+            theirs = await b.create()
+            for call in (b.saved("a"), b.open("notes", "a"), b.delete_saved("notes", "a"),
+                         b.save(theirs, "notes", "a"), b.saved(None)):
+                with pytest.raises(EngineError) as refused:
+                    await call
+                assert refused.value.type == "BadRequest" and "owner" in refused.value.message
+            assert await b.saved("b") == []
+            assert await a.saved("a") == [{"name": "notes", "state": "kept", "tokens": kept}]
+            await a.delete_saved("notes", "a")
+
+    asyncio.run(main())
+    assert released(server)["referenced"] == 0
 
 
 def test_the_address_keeps_its_secret_out_of_messages(plane, tmp_path):

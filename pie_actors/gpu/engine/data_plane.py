@@ -82,12 +82,6 @@ def _name(value: Any) -> str:
     return value
 
 
-def _owner(value: Any) -> str | None:
-    if value is not None and not isinstance(value, str):
-        raise BadRequest(f"owner must be a string or nil, got {value!r:.40}")
-    return value
-
-
 def _optional(check: Callable[..., Any], value: Any, *what: str) -> Any:
     return None if value is None else check(value, *what)
 
@@ -188,9 +182,10 @@ class EngineServer:
         loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
         loop.close()
 
-    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int | None:
-        """The partition root of a connection that proves the secret (wire.py); None, after an
-        Unauthorized error frame, for one that does not."""
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+                         ) -> tuple[str | None, int] | None:
+        """The owner and partition root of a connection that proves the secret (wire.py); None,
+        after an Unauthorized error frame, for one that does not."""
         nonce = secrets.token_bytes(wire.NONCE_BYTES)
         writer.write(wire.pack({"hello": nonce}))
         try:
@@ -208,14 +203,14 @@ class EngineServer:
         partition = partition_root(self.secret, owner)
         self.engine.limit_pages(partition, pages)
         writer.write(wire.pack(wire.reply(None, "ready")))
-        return partition
+        return owner, partition
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        partition = await self._handshake(reader, writer)
-        if partition is None:
+        accepted = await self._handshake(reader, writer)
+        if accepted is None:
             writer.close()
             return
-        conn = _Connection(self, writer, partition)
+        conn = _Connection(self, writer, *accepted)
         self._connections.add(conn)
         try:
             while True:
@@ -243,12 +238,12 @@ _PENDING = object()   # a handler's result when the reply comes later (a pass in
 
 
 class _Connection:
-    """One client: dispatches its requests and owns the sequences it created, which it makes in
-    its owner's prefix-cache `partition` (a root key)."""
+    """One client, for the programs of `owner`: dispatches its requests and owns the sequences it
+    created, which it makes in the owner's prefix-cache `partition` (a root key)."""
 
-    def __init__(self, server: EngineServer, writer: asyncio.StreamWriter, partition: int):
+    def __init__(self, server: EngineServer, writer: asyncio.StreamWriter, owner: str | None, partition: int):
         self.engine = server.engine
-        self.partition = partition
+        self.owner, self.partition = owner, partition
         self.server = server
         self.writer = writer
         self.loop = asyncio.get_running_loop()
@@ -295,6 +290,12 @@ class _Connection:
             raise BadRequest(f"{op}: fields {list(required)} (optional {list(optional)}) expected; "
                              f"missing {missing}, unknown {sorted(extra)}")
         return getattr(self, "_op_" + op)(msg)
+
+    def _owner(self, value: Any) -> str | None:
+        # the saved sets of another owner do not exist for this connection, whatever it asks
+        if value != self.owner:
+            raise BadRequest("a connection acts only for the owner it named at its handshake")
+        return value
 
     def _own(self, value: Any) -> int:
         seq = _int(value, "seq")
@@ -347,20 +348,20 @@ class _Connection:
 
     # ---- saved working sets --------------------------------------------------------------------------
     def _op_save(self, msg: dict[str, Any]) -> int:
-        return self.engine.save(self._own(msg["seq"]), _name(msg["name"]), _owner(msg["owner"]))
+        return self.engine.save(self._own(msg["seq"]), _name(msg["name"]), self._owner(msg["owner"]))
 
     def _op_open(self, msg: dict[str, Any]) -> object:
         self._room_for_a_sequence()
-        seq, future = self.engine.open(_name(msg["name"]), _owner(msg["owner"]))
+        seq, future = self.engine.open(_name(msg["name"]), self._owner(msg["owner"]))
         self.owned.add(seq)
         future.add_done_callback(partial(self._pass_done, msg["id"]))
         return _PENDING
 
     def _op_saved(self, msg: dict[str, Any]) -> list[wire.SavedSet]:
-        return self.engine.list_saved(_owner(msg["owner"]))
+        return self.engine.list_saved(self._owner(msg["owner"]))
 
     def _op_delete_saved(self, msg: dict[str, Any]) -> None:
-        self.engine.delete_saved(_name(msg["name"]), _owner(msg["owner"]))
+        self.engine.delete_saved(_name(msg["name"]), self._owner(msg["owner"]))
 
     def _op_pass(self, msg: dict[str, Any]) -> object:
         lanes_in = msg["lanes"]

@@ -53,10 +53,12 @@ Pushes (server -> client, no id): {"push": "chan", "chan": id, "value": v} for e
 subscribed channel, or {"push": "chan", "chan": id, "error": message} when a failed pass poisoned it.
 
 `owner` (a string or nil) is the owner of the program the connection serves, as the inferlet host
-that connects knows it from the launch: programs never reach the data plane themselves.
+that connects knows it from the launch: programs never reach the data plane themselves. A request
+that names another owner than the handshake's is a BadRequest.
 
-Error types: Unauthorized (the handshake failed), BadFrame, BadRequest, UnknownSequence (never created, already freed, or another
-connection's), PassError, OutOfPages, QuotaExceeded (the owner's kv_pages bound), InvalidSlot, KVStoreError, UnknownSaved, EpilogueError; anything else is
+Error types: Unauthorized (the handshake failed), BadFrame, BadRequest, UnknownSequence (never
+created, already freed, or another connection's), PassError, OutOfPages, QuotaExceeded (the
+owner's kv_pages bound), InvalidSlot, KVStoreError, UnknownSaved, EpilogueError; anything else is
 the name of an unexpected engine exception.
 
 Tensors travel as msgpack extension type TENSOR_EXT: dtype char (struct format, e.g. "f"), ndim,
