@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+from collections import Counter
 
 import httpx
 import jsonschema
@@ -225,10 +226,13 @@ def test_a_client_that_leaves_a_stream_ends_its_inferlet_and_its_pages_return(se
 
 def test_a_client_that_gives_up_on_a_reply_ends_its_inferlet(server):
     before = idle(server)
+    route = "/v1/chat/completions"
+    statuses = dict(server.serving.metrics.requests)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/chat/completions", json=LONG, headers={"Authorization": f"Bearer {KEY}"},
-                   timeout=2)
+        httpx.post(server.url + route, json=LONG, headers={"Authorization": f"Bearer {KEY}"}, timeout=2)
     after = idle(server)
+    # recorded as the client's leaving (499), not as a failure of the server
+    assert server.serving.metrics.requests - Counter(statuses) == Counter({(route, 499): 1})
     assert after["kv"]["referenced"] == before["kv"]["referenced"]
     assert sum(batches_since(before, after).values()) < 1000
 

@@ -130,10 +130,11 @@ class Call:
             await asyncio.wait({reading, watching}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watching.cancel()
-            if not reading.done():
+            gone = not reading.done()        # a cancelled task is done only once it has run again
+            if gone:
                 reading.cancel()
                 self.close()
-        if reading.cancelled():
+        if gone:
             raise ClientGone()
         return reading.result()
 
