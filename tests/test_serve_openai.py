@@ -163,6 +163,26 @@ def test_logprobs_are_the_engines_log_softmax(server, client):
     assert [(e.token, round(e.logprob, 3)) for e in streamed] == [(e.token, round(e.logprob, 3)) for e in entries]
 
 
+def test_stop_token_ids_end_a_reply_before_the_token(server, client):
+    tokens = greedy_tokens(server, chat_prompt(server, ASK), 12)
+    reply = chat(client, max_tokens=12, extra_body={"stop_token_ids": [tokens[3]]}).choices[0]
+    cut = tokens[:tokens.index(tokens[3])]
+    assert reply.message.content == server.runtime.engine.tokenizer.decode(cut) and reply.finish_reason == "stop"
+
+
+def test_bad_values_are_refused_before_any_pass(server, client):
+    before = idle(server)
+    for bad, param in (({"logit_bias": {"-5": 1}}, "logit_bias"), ({"logit_bias": {"12": 500}}, "logit_bias.12"),
+                       ({"extra_body": {"stop_token_ids": [49152]}}, "stop_token_ids"),
+                       ({"extra_body": {"stop_token_ids": [-1]}}, "stop_token_ids"),
+                       ({"n": 129}, "n"), ({"top_logprobs": 21, "logprobs": True}, "top_logprobs")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            chat(client, max_tokens=4, **bad)
+        assert refused.value.param == param, (bad, refused.value.body)
+    after = idle(server)
+    assert after["batch_sizes"] == before["batch_sizes"]          # no pass ran for any of them
+
+
 def test_logit_bias_bans_a_token(server, client):
     plain = chat(client, max_tokens=12).choices[0].message.content
     paris = server.runtime.engine.tokenizer.encode(" Paris")

@@ -99,7 +99,8 @@ class StreamOptions(Shape):
 
 
 class Sampling(Shape):
-    """Fields both generation routes take (top_k, min_p and ignore_eos are extras, as in vLLM)."""
+    """Fields both generation routes take (top_k, min_p, ignore_eos and stop_token_ids are extras, as
+    in vLLM)."""
     model: str
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -113,15 +114,16 @@ class Sampling(Shape):
     n: int = Field(1, ge=1, le=128)
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None
     ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
 
     def neutral(self) -> dict[str, Any]:
         return {"temperature": self.temperature, "top_p": self.top_p,
                 "top_k": self.top_k if self.top_k and self.top_k > 0 else None, "min_p": self.min_p,
                 "seed": self.seed, "stop": [self.stop] if isinstance(self.stop, str) else self.stop, "n": self.n,
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                "logit_bias": self.logit_bias, "ignore_eos": self.ignore_eos}
+                "logit_bias": self.logit_bias, "ignore_eos": self.ignore_eos, "stop_token_ids": self.stop_token_ids}
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)

@@ -22,6 +22,8 @@ Input (one of "messages" and "prompt"; everything else optional):
   temperature (1; 0 is greedy), top_p (1), top_k (0: off), min_p (0), seed (null: random)
   presence_penalty, frequency_penalty (0), logit_bias {"token id": bias}
   stop          [str]: a reply ends before the first of them
+  stop_token_ids  [int]: token ids that end a reply too, as the model's own stop tokens do (not
+                shown; they end it also with ignore_eos)
   n             replies per prompt (1): the prompt is computed once, the replies fork it
   logprobs      bool; top_logprobs: alternatives per token (0-20)
   echo          bool: a completion's text starts with its prompt
@@ -158,6 +160,7 @@ class Request:
         self.logprobs = bool(input.get("logprobs"))
         self.top_logprobs = number(input, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS, kind=int) if self.logprobs else 0
         self.bias = self._bias(input.get("logit_bias") or {})
+        self.stop_ids = {self._token(t, "stop_token_ids") for t in input.get("stop_token_ids") or []}
         stop = input.get("stop") or []
         self.stops = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
         self.ignore_eos = bool(input.get("ignore_eos"))
@@ -176,15 +179,18 @@ class Request:
             return None
         dense = [0.0] * self.vocab
         for key, value in bias.items():
-            try:
-                token = int(key)
-            except ValueError:
-                raise Refused(f"logit_bias keys are token ids, got {key!r}", "logit_bias") from None
-            if not 0 <= token < self.vocab:
-                raise Refused(f"logit_bias: token id {token} is outside the vocabulary (0-{self.vocab - 1})",
-                              "logit_bias")
-            dense[token] = float(value)
+            dense[self._token(key, "logit_bias")] = float(value)
         return dense
+
+    def _token(self, value, what: str) -> int:
+        """`value` as a token id of the vocabulary (a Refused naming `what` otherwise)."""
+        try:
+            token = int(value)
+        except (TypeError, ValueError):
+            raise Refused(f"{what} takes token ids, got {value!r}", what) from None
+        if not 0 <= token < self.vocab:
+            raise Refused(f"{what}: token id {token} is outside the vocabulary (0-{self.vocab - 1})", what)
+        return token
 
     def _tools(self, input: dict) -> list | None:
         """The tool specs the prompt declares (none when tool_choice is "none"); a required or
@@ -457,7 +463,7 @@ class Reply:
         """Take the next token and stream what it adds; False once the reply is over."""
         if self.matcher is not None and not self.matcher.accept_tokens([token]):
             raise RuntimeError(f"the device chose token {token}, which the grammar does not allow")
-        if token in STOPS and not self.request.ignore_eos:
+        if (token in STOPS and not self.request.ignore_eos) or token in self.request.stop_ids:
             return self._finish("stop")
         self.tokens.append(token)
         if values is not None:
