@@ -340,8 +340,10 @@ class _Cluster:
     def stats(self) -> dict[str, Any]:
         import ray
 
+        from . import controller
+
         stats = ray.get(self.engine_actor.stats.remote())
-        status = ray.get(self.controller.status.remote())
+        status = controller.ask(self.controller, "status")
         model = self.config.engine.model
         return {**stats, "processes": sum(p["model"] == model for p in status["processes"]),
                 "replicas": status["replicas"].get(model, [])}

@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from pie_actors import Done, Failed, InferletError, Runtime, Send
-from pie_actors.controller import INFERLET_PREFIX, NAME, NAMESPACE
+from pie_actors.controller import INFERLET_PREFIX, NAME, NAMESPACE, ask
 from pie_actors.replicas import ENGINE_PREFIX
 from tests.cluster_helpers import DUMMY, GREEDY, WAITER, two_nodes, until
 
@@ -51,15 +51,8 @@ def _referenced(engine) -> int:
 
 
 def _status() -> dict:
-    return ray.get(ray.get_actor(NAME, namespace=NAMESPACE).status.remote(), timeout=60)
-
-
-def _restarted_status() -> dict | None:
-    """The Controller's status once it answers again (None while Ray restarts it)."""
-    try:
-        return _status()
-    except ray.exceptions.ActorUnavailableError:
-        return None
+    """The Controller's status (asked again while Ray restarts it, as the runtime does)."""
+    return ask(ray.get_actor(NAME, namespace=NAMESPACE), "status")
 
 
 def _first_sends(process, n: int) -> None:
@@ -109,7 +102,7 @@ def test_a_killed_engine_fails_its_programs_and_restarts_for_new_ones(cluster):
 
 def test_a_restartable_program_runs_again_after_its_engine_restarts_with_the_same_output(cluster):
     runtime, nodes, _, _ = cluster
-    restartable = STREAMER.replace("async def main(input):\n",
+    restartable = GREEDY.replace("async def main(input):\n",
                                    "async def main(input):\n    runtime.declare_restartable()\n"
                                    ).replace("import session", "import runtime, session")
     want = runtime.launch(restartable, {"prompt": PROMPT, "n": LONG}, node=nodes["b"]).result(timeout=180)
@@ -120,7 +113,7 @@ def test_a_restartable_program_runs_again_after_its_engine_restarts_with_the_sam
     assert isinstance(events[-1], Done) and events[-1].output == want, events[-1]   # greedy: the same tokens
     sends = [e for e in events if isinstance(e, Send)]
     assert len(sends) >= LONG + 2          # the first run's two or more, then the second run's from the start
-    _until(lambda: _referenced(_engine_on(nodes["b"])) == 0)
+    until(lambda: _referenced(_engine_on(nodes["b"])) == 0)
 
 
 def test_a_killed_controller_restarts_and_finds_its_engines_and_processes(cluster):
@@ -130,7 +123,7 @@ def test_a_killed_controller_restarts_and_finds_its_engines_and_processes(cluste
     engines = _status()["replicas"]["dummy"]
     ray.kill(ray.get_actor(NAME, namespace=NAMESPACE), no_restart=False)
     # the new instance is the one that has launched nothing yet
-    until(lambda: (_restarted_status() or {}).get("launches") == 0, timeout=120)
+    until(lambda: _status()["launches"] == 0, timeout=120)
     status = _status()
     assert [r["node"] for r in status["replicas"]["dummy"]] == [r["node"] for r in engines]
     assert waiter.name in [p["name"] for p in status["processes"]]     # asked of the live actors
