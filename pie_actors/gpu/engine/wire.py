@@ -8,7 +8,8 @@ replies `{"id": nil, "result": "ready"}`, or an Unauthorized error frame and clo
 reads any request. `owner` is the owner of the program the connection serves: the engine derives
 the connection's prefix-cache partition from it with its secret (kvstore/prefix.py), so only that
 owner's connections share cached pages. `kv_pages` bounds the pages that owner's working sets hold
-together (0: no bound); past it an allocation fails with QuotaExceeded.
+together (0: no bound; the latest connection's value holds for the owner); past it an allocation
+fails with QuotaExceeded.
 
 A client sends requests `{"id": int, "op": str, ...fields}`; the engine answers each with
 `{"id": id, "result": ...}` or `{"id": id, "error": {"type": str, "message": str}}`. Many requests
