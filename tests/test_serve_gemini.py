@@ -49,11 +49,12 @@ def test_generate_content_and_its_stream_are_the_engines_greedy_text(server, cli
 def test_every_path_prefix_and_the_key_as_a_query_parameter(server):
     body = {"contents": [{"role": "user", "parts": [{"text": QUESTION}]}], "generationConfig": {"temperature": 0,
                                                                                               "maxOutputTokens": 4}}
-    texts = [httpx.post(f"{server.url}{prefix}/models/default:generateContent?key={KEY}", json=body).json()
+    texts = [httpx.post(f"{server.url}{prefix}/models/default:generateContent?key={KEY}", json=body,
+                        timeout=120).json()
              ["candidates"][0]["content"]["parts"][0]["text"] for prefix in ("/v1beta", "/v1", "")]
     assert texts[0] and texts == [texts[0]] * 3
     streamed = httpx.post(f"{server.url}/v1beta/models/default:streamGenerateContent?alt=sse",
-                          json=body, headers={"x-goog-api-key": KEY})
+                          json=body, headers={"x-goog-api-key": KEY}, timeout=120)
     assert streamed.headers["content-type"].startswith("text/event-stream")
     chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: ")]
     assert "".join(p.get("text", "") for c in chunks for p in c["candidates"][0]["content"]["parts"]) == texts[0]
