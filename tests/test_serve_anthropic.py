@@ -44,7 +44,8 @@ def test_paris_streamed_and_not_with_the_full_event_order(server, client):
     assert message.usage.input_tokens + message.usage.cache_read_input_tokens == len(prompt)
 
     raw = httpx.post(server.url + "/v1/messages", headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"},
-                     json={"model": "default", "max_tokens": 32, "messages": ASK, "stream": True, **GREEDY}).text
+                     json={"model": "default", "max_tokens": 32, "messages": ASK, "stream": True, **GREEDY},
+                     timeout=120).text
     kinds = [line[7:] for line in raw.splitlines() if line.startswith("event: ")]
     deltas = kinds.count("content_block_delta")
     assert kinds == ["message_start", "content_block_start", "ping", *["content_block_delta"] * deltas,
@@ -136,5 +137,6 @@ def test_errors_are_the_sdks_exception_types_and_anthropics_bodies(server, clien
         assert response.status_code == status
         body = response.json()
         assert body["type"] == "error" and body["error"]["type"] == kind and body["error"]["message"]
-    ok = httpx.post(url, json={"model": "default", "max_tokens": 4, "messages": ASK, "temperature": 0}, headers=bearer)
+    ok = httpx.post(url, json={"model": "default", "max_tokens": 4, "messages": ASK, "temperature": 0}, headers=bearer,
+                    timeout=120)
     assert ok.status_code == 200 and ok.json()["type"] == "message"                 # Bearer works too
