@@ -141,6 +141,8 @@ class RunLimits:
                                  "buffers a whole decode", default=1024)
     kv_pages: int = _doc("KV pages the working sets of the run's owner may hold together, over all its "
                          "runs (0: no bound; pie serve sets it per key from [serve.quotas])", default=0)
+    inferlets: int = _doc("processes the run's owner may run at once: a runtime.spawn past it is refused "
+                          "(0: no bound; pie serve sets it per key from [serve.quotas])", default=0)
     mailbox_size: int = _doc("messages from other processes (session.send_to) a run's mailbox holds before "
                              "senders wait", default=1024)
     send_timeout_s: float = _doc("the longest session.send_to waits for room in a full mailbox (then it "
@@ -167,7 +169,7 @@ class RunLimits:
             raise ConfigError(f"limits.timeout_s must be positive, got {self.timeout_s!r}")
         _check_min(self, "limits", memory_mb=16, table_elements=1, instances=1, tables=1, memories=1,
                    message_mb=1, run_ahead_window=1, channel_capacity=1, mailbox_size=1, http_response_mb=1, restarts=0)
-        _check_min(self, "limits", kv_pages=0)
+        _check_min(self, "limits", kv_pages=0, inferlets=0)
 
 
 QUOTA_BOUNDS = ("inferlets", "tokens_per_minute", "kv_pages")     # what [serve.quotas] bounds per key

@@ -211,6 +211,9 @@ class _LocalPeers:
             raise ValueError(f"model={model!r}: this runtime serves {self.local.model!r} only")
         return self.local.launch(program, input, name, self.owner, {}, limits, node)
 
+    def running(self) -> int:
+        return self.local.running(self.owner)
+
 
 # ---- on a Ray cluster ----------------------------------------------------------------------------
 

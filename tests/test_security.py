@@ -266,6 +266,18 @@ def test_tokens_per_minute_count_the_last_minute_only():
     assert quotas.refused == {"tokens_per_minute": 1}
 
 
+def test_a_runs_limits_carry_its_keys_bounds_for_what_it_spawns():
+    from pie_actors.config import RunLimits
+    from pie_actors.serve.auth import owner_of
+    from pie_actors.serve.quotas import Quotas
+
+    quotas = Quotas({"default": {"inferlets": 3, "kv_pages": 64}, "free": {"inferlets": 0, "kv_pages": 0}})
+    base = RunLimits()
+    bounded = quotas.limits(owner_of("some key"), base)
+    assert (bounded.inferlets, bounded.kv_pages) == (3, 64)       # runtime.spawn counts against inferlets
+    assert quotas.limits(owner_of("free"), base) == base
+
+
 # ---- pie serve: partitions, quotas and isolation per key (the official SDKs) ---------------------
 
 A, B, ONE, TOKENS, PAGES = "key-a", "key-b", "key-one-inferlet", "key-few-tokens", "key-few-pages"

@@ -3,6 +3,7 @@ through the launch API and awaits their results, locally and on a Ray cluster. C
 processes of the parent's owner that send_to reaches; they end with their parent unless detached."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -74,6 +75,20 @@ async def main(input):
     except HostError as e:
         return str(e)
     return "spawned"
+"""
+
+BOUNDED = f"""
+from inferlet import runtime, session, HostError
+
+async def main(input):
+    first = await runtime.spawn({WAITS!r}, name="first")
+    try:
+        await runtime.spawn({WAITS!r})
+        refused = None
+    except HostError as e:
+        refused = str(e)
+    session.send_to(first, "go")
+    return {{"refused": refused, "first": await first.result()}}
 """
 
 NODE = """
@@ -155,6 +170,14 @@ def test_spawning_refuses_clearly(runtime):
     assert "already running" in refused(program="async def main(i): pass", name="taken")
     holder.send("done")
     assert holder.result(300) == {"got": "done"}
+
+
+def test_a_spawn_past_the_owners_inferlet_bound_is_refused(runtime):
+    # the parent and its first child are the owner's two inferlets: the second child is one too many
+    limits = dataclasses.replace(runtime.config.limits, inferlets=2)
+    out = runtime.launch(BOUNDED, {}, owner="bounded", limits=limits).result(300)
+    assert out["first"] == {"got": "go"}
+    assert "this owner runs 2 inferlets, its bound" in out["refused"], out
 
 
 def test_node_placement(local, cluster):

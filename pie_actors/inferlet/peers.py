@@ -52,6 +52,10 @@ class Peers(Protocol):
         """Start a process of the same owner through the launch API (`Runtime.launch`)."""
         ...
 
+    def running(self) -> int:
+        """How many processes of the owner run now (this one included)."""
+        ...
+
 
 def send_within(peers: Peers, name: str, message: Any, wait_s: float) -> None:
     """Deliver `message` to `name`, waiting while its mailbox is full, `wait_s` seconds at most."""
@@ -125,6 +129,12 @@ class ClusterPeers:
             raise HostOpError(str(e.cause)) from None
         return _cluster_runtime(engine).launch(program, input, name=name, owner=self.owner, node=node,
                                                limits=limits)
+
+    def running(self) -> int:
+        import ray
+
+        status = ray.get(self.controller.status.remote(), timeout=LOOKUP_WAIT_S)
+        return sum(p["owner"] == self.owner for p in status["processes"])
 
 
 _runtimes: dict[EngineConfig, Any] = {}      # an engine's settings -> the launch API on its cluster

@@ -66,6 +66,9 @@ class SpawnOps:
         for key in ("name", "node", "model"):
             if args.get(key) is not None and not isinstance(args[key], str):
                 raise HostOpError(f"runtime.spawn: {key} must be a string")
+        if limits.inferlets and (running := peers.running()) >= limits.inferlets:
+            raise HostOpError(f"runtime.spawn: this owner runs {running} inferlets, its bound "
+                              "(limits.inferlets; pie serve: [serve.quotas]): wait for one to end")
         try:
             process = peers.launch(self._program(args["program"]), args.get("input") or {}, name=args.get("name"),
                                    limits=limits, node=args.get("node"), model=args.get("model"))

@@ -83,9 +83,11 @@ class Quotas:
                 del self._launching[owner]
 
     def limits(self, owner: str | None, base: RunLimits) -> RunLimits:
-        """The limits of a run of `owner`'s: `base`, with the owner's KV page bound."""
-        pages = self.of(owner).kv_pages
-        return dataclasses.replace(base, kv_pages=pages) if pages else base
+        """The limits of a run of `owner`'s: `base`, with the owner's bounds of KV pages and of
+        inferlets (which its children, `runtime.spawn`, count against)."""
+        quota = self.of(owner)
+        bounds = {k: v for k, v in (("kv_pages", quota.kv_pages), ("inferlets", quota.inferlets)) if v}
+        return dataclasses.replace(base, **bounds) if bounds else base
 
     def used(self, owner: str | None, tokens: int) -> None:
         """`owner`'s request that just ended used `tokens` (prompt and completion)."""
