@@ -183,6 +183,19 @@ def test_bad_values_are_refused_before_any_pass(server, client):
     assert after["batch_sizes"] == before["batch_sizes"]          # no pass ran for any of them
 
 
+def test_a_request_the_kv_pool_cannot_hold_is_a_429_and_every_page_returns(server, client):
+    # 3,000 prompt tokens fit the context (8,192) and the pool (256 pages of 16), but not with two
+    # replies of 1,000 tokens each: the engine runs out of pages mid-decode
+    before = idle(server)
+    with pytest.raises(openai.RateLimitError) as busy:
+        chat(client, [{"role": "user", "content": "hello " * 3000}], n=2, max_tokens=1000,
+             extra_body={"ignore_eos": True})
+    assert "KV cache has no room" in busy.value.message
+    after = idle(server)
+    assert after["kv"]["referenced"] == before["kv"]["referenced"]
+    assert "Paris" in chat(client, max_tokens=16).choices[0].message.content      # still serving
+
+
 def test_logit_bias_bans_a_token(server, client):
     plain = chat(client, max_tokens=12).choices[0].message.content
     paris = server.runtime.engine.tokenizer.encode(" Paris")

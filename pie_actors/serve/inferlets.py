@@ -36,6 +36,13 @@ ENDPOINT_KEYS: dict[str, Path] = {
 REFUSALS = {"invalid_request", "context_length_exceeded"}     # the error types an endpoint may return
 
 
+# Engine refusals for want of KV pages: the request may succeed later (or smaller), so the client
+# gets a 429 in its API's shape, not a 500 (OpenAI answers an overloaded engine with 429 too).
+BUSY = {"QuotaExceeded": "quota exceeded (kv_pages)",
+        "OutOfPages": "the engine's KV cache has no room for this request now (retry later, or ask for fewer "
+                      "tokens or choices)"}
+
+
 class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
@@ -92,8 +99,9 @@ class Call:
                 self._record()
                 return None
             if isinstance(event, Failed):
-                if "QuotaExceeded" in event.message:        # the engine refused the key's pages past its bound
-                    raise ApiError("rate_limited", f"quota exceeded (kv_pages): {event.message}")
+                for refusal, says in BUSY.items():
+                    if refusal in event.message:
+                        raise ApiError("rate_limited", f"{says}: {event.message}")
                 raise ApiError("server_error", f"the endpoint inferlet failed ({event.kind}): {event.message}")
         return None
 
