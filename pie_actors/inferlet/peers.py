@@ -31,6 +31,7 @@ __all__ = ["Peers", "ClusterPeers", "UnknownProcess", "DELIVERED", "FULL", "GONE
 
 DELIVERED, FULL, GONE = "delivered", "full", "gone"     # what one delivery attempt found
 LOOKUP_WAIT_S = 30.0      # the longest a sender waits for the Controller's answer
+ATTEMPT_S = 1.0           # the least one delivery attempt is given: a round trip to the peer's actor
 
 
 class UnknownProcess(HostOpError):
@@ -62,7 +63,9 @@ def send_within(peers: Peers, name: str, message: Any, wait_s: float) -> None:
     end = time.monotonic() + wait_s
     pause = 0.001
     while True:
-        if peers.deliver(name, message, max(0.001, end - time.monotonic())):
+        # An attempt only asks (the peer answers at once, full or not), so even the last one gets a
+        # whole round trip: near the end a sub-ms allowance would report a slow answer, not a full box.
+        if peers.deliver(name, message, max(ATTEMPT_S, end - time.monotonic())):
             return
         if time.monotonic() + pause > end:
             raise HostOpError(f"session.send_to: the mailbox of {name!r} stayed full for {wait_s:.3g} s "
