@@ -9,6 +9,7 @@ so that each bomb trips fast.
 """
 from __future__ import annotations
 
+import gc
 import textwrap
 from dataclasses import replace
 
@@ -278,4 +279,23 @@ def test_an_oversized_session_message_is_refused(runtime, alone, bomb, kind):
     assert tokens == alone
     error = failure(abuser)
     assert error.kind == kind and "limits.message_mb" in error.message, error
+    assert_pages_back(runtime)
+
+
+def test_a_failed_run_lets_go_of_its_instance(runtime):
+    """A failed run's error outlives it (its process keeps it for `result`); its WebAssembly
+    instance must not. A wasmtime error's traceback holds the frames the store was given, so an
+    InferletError chained to one kept each killed or trapped run's linear memory (~10 MiB) alive."""
+    killed = runtime.launch(ABUSER.format(bomb=""))
+    assert next_message(killed) == "ready"
+    killed.kill()
+    looped = runtime.launch(ABUSER.format(bomb="    while True:\n        pass\n"), timeout=BOMB_TIMEOUT)
+    assert next_message(looped) == "ready"
+    looped.send("go")
+    for process, kind in ((killed, "cancelled"), (looped, "timeout")):
+        with pytest.raises(InferletError) as info:
+            process.result(timeout=60)
+        assert info.value.kind == kind
+    gc.collect()
+    assert [o for o in gc.get_objects() if isinstance(o, wasmtime.Store)] == []
     assert_pages_back(runtime)

@@ -499,17 +499,25 @@ class Sandbox:
             store.set_wasi(wasi)
             limit_store(store, limits)
             store.set_epoch_deadline(int(timeout / EPOCH_PERIOD_S) + 1)
+            # Each failure is raised outside its `except`: a wasmtime error's traceback holds the
+            # frames that were given the store, so an InferletError with it as __context__ would keep
+            # the whole instance (its linear memory, ~10 MiB) alive for as long as the error is held.
+            trap = None
             try:
                 instance = self.linker.instantiate(store, self.component)
             except wasmtime.WasmtimeError as e:     # "... exceeds memory limits", "... table limits"
-                raise InferletError("memory" if "limits" in str(e) else "trap",
-                                    f"could not instantiate the inferlet component: {e}") from None
+                trap = InferletError("memory" if "limits" in str(e) else "trap",
+                                     f"could not instantiate the inferlet component: {e}")
+            if trap is not None:
+                raise trap
             func = instance.get_func(store, "run")
             t1 = time.perf_counter()
             try:
                 out = func(store, source, _dumps(input))
             except wasmtime.WasmtimeError as e:
-                raise self._classify_trap(run, e, timeout) from None
+                trap = self._classify_trap(run, e, timeout)
+            if trap is not None:
+                raise trap
             t2 = time.perf_counter()
             if stats is not None:
                 stats.update(instantiate_s=t1 - t0, run_s=t2 - t1)
@@ -536,6 +544,9 @@ class Sandbox:
                 api.on_exit(error)
             except Exception:
                 log.exception("HostApi.on_exit failed")
+            # A raised error's traceback holds this frame: without these locals it is no cycle, so
+            # the run's state goes when the error does, not at the next full garbage collection.
+            run = error = api = None
 
     def _classify_trap(self, run: _Run, e: Exception, timeout: float) -> InferletError:
         if run.failure is not None:                 # a host import ended the run
