@@ -107,7 +107,7 @@ import json, sys
 from pie_actors.gpu.engine import Engine          # first: it points inductor's caches at $PIE_HOME
 from torch._dynamo.utils import counters
 engine = Engine.from_model(sys.argv[1], device="cpu", dtype="float32", num_pages=32, page_size=4,
-                           compile=sys.argv[2], compile_max_batch=2, progress=False)
+                           compile=sys.argv[2], compile_max_batch=1, progress=False)
 print(json.dumps({"compiled": engine.worker.compiled is not None,
                   "autotuned": counters["inductor"]["select_algorithm_autotune"]}))
 """
@@ -115,8 +115,8 @@ print(json.dumps({"compiled": engine.worker.compiled is not None,
 
 def test_a_compiled_engines_second_start_reuses_the_caches(tmp_path):
     """Caches live under $PIE_HOME/cache: the second start of the same model skips the GEMM
-    autotuning (counted by inductor). A one-shot CPU engine with compile "auto" stays eager, cached
-    or not (its graphs are compiled again at every start)."""
+    autotuning (counted by inductor). A one-shot CPU engine with compile "auto" stays eager (its
+    graphs would be compiled again at every start)."""
     import json
     import os
     import subprocess
@@ -136,4 +136,3 @@ def test_a_compiled_engines_second_start_reuses_the_caches(tmp_path):
     cold = start("on")
     assert cold["compiled"] and cold["autotuned"] > 0 and (tmp_path / "home" / "cache" / "inductor").is_dir()
     assert start("on") == {"compiled": True, "autotuned": 0}           # the autotuning is cached
-    assert start("auto") == {"compiled": False, "autotuned": 0}

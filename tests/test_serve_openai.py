@@ -184,11 +184,11 @@ def test_bad_values_are_refused_before_any_pass(server, client):
 
 
 def test_a_request_the_kv_pool_cannot_hold_is_a_429_and_every_page_returns(server, client):
-    # 3,000 prompt tokens fit the context (8,192) and the pool (256 pages of 16), but not with two
-    # replies of 1,000 tokens each: the engine runs out of pages mid-decode
+    # 3,900 prompt tokens fit the context (8,192) and the pool (256 pages of 16), but not with two
+    # replies of 1,000 tokens each: the engine runs out of pages some 90 tokens into the decode
     before = idle(server)
     with pytest.raises(openai.RateLimitError) as busy:
-        chat(client, [{"role": "user", "content": "hello " * 3000}], n=2, max_tokens=1000,
+        chat(client, [{"role": "user", "content": "hello " * 3900}], n=2, max_tokens=1000,
              extra_body={"ignore_eos": True})
     assert "KV cache has no room" in busy.value.message
     after = idle(server)
