@@ -225,22 +225,30 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from .inferlet.build import build_bundle
-    from .program import Manifest
+    from .inferlet.build import build_bundle, bundle_imports, bundle_modules, fits_runner
+    from .program import Manifest, Program
 
-    art = build_bundle(args.dir)
+    program = Program.load(args.dir)
+    files = program.bundle or {"main.py": program.source}
+    modules = bundle_modules(files)
     manifest = Manifest.read(Path(args.dir))
     label = f"{manifest.name} {manifest.version}: " if manifest else ""
-    print(f"{label}{'cached' if art.from_cache else 'built'} {art.path} (modules: {', '.join(art.modules)})")
-    if art.missing:
+    if fits_runner(files):
+        print(f"{label}runs on the shared runner, nothing to build (modules: {', '.join(sorted(modules))})")
+    else:
+        art = build_bundle(args.dir)
+        print(f"{label}{'cached' if art.from_cache else 'built'} {art.path} (modules: {', '.join(art.modules)})")
+    _, missing = bundle_imports(modules)
+    if missing:
         print(f"pie: warning: imports neither in the bundle nor in the sandbox's stdlib: "
-              f"{', '.join(art.missing)}", file=sys.stderr)
+              f"{', '.join(missing)}", file=sys.stderr)
     return 0
 
 
 def _add_build(sub: argparse._SubParsersAction) -> None:
-    build = sub.add_parser("build", help="build a bundle (a folder with main.py and its pure-Python "
-                                         "modules) into its own sandbox component")
+    build = sub.add_parser("build", help="check a bundle (a folder with main.py and its pure-Python "
+                                         "modules); one that imports stdlib modules the shared runner "
+                                         "lacks is built into its own sandbox component")
     build.add_argument("dir")
     build.set_defaults(handler=_build)
 

@@ -13,6 +13,7 @@ import ray
 
 from pie_actors import Done, Failed, InferletError, Program, Runtime, Send
 from pie_actors.controller import connect
+from pie_actors.inferlet.run import sandbox_for
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 QUICKSTART = EXAMPLES / "quickstart" / "main.py"
@@ -170,7 +171,8 @@ def test_files_and_bundles_travel_with_the_launch(runtime, tmp_path):
     (tmp_path / "main.py").write_text("from inferlet import session\nfrom helper import shout\n\n"
                                       "async def main(input):\n"
                                       "    return {'text': shout(session.file('f').decode())}\n")
-    assert Program.load(tmp_path).bundle is not None
+    program = Program.load(tmp_path)
+    assert program.bundle is not None and sandbox_for(program).is_runner    # nothing to build for it
     assert runtime.launch(tmp_path, {}, files={"f": b"quiet"}).result(120) == {"text": "QUIET"}
 
 

@@ -16,6 +16,7 @@ import pytest
 from pie_actors.config import RunLimits
 from pie_actors.inferlet import build as build_mod
 from pie_actors.inferlet import HostApi, InferletError, Sandbox, build_bundle
+from pie_actors.inferlet.build import bundle_modules, fits_runner
 
 LIMITS = RunLimits(timeout_s=30, memory_mb=256)
 
@@ -307,6 +308,24 @@ def test_build_bundle_with_helper_modules(tmp_path: Path, sandbox):
     # the plain runner has no colorsys: the bundle component really holds more
     err = run_fail(sandbox, "import colorsys\nasync def main(input):\n    return {}\n")
     assert "No module named 'colorsys'" in err.message
+
+
+def test_a_bundle_the_runner_can_hold_runs_on_it_from_its_modules(sandbox):
+    """No component of its own: the bundle's modules go to the plain runner with the run (and a
+    helper that calls the host at import does so at launch)."""
+    files = {rel: text for rel, text in BUNDLE.items() if rel != "helper.py"}
+    files["main.py"] = files["main.py"].replace("import helper\n", "").replace(
+        '"hsv": helper.to_hsv(input["r"]), ', "").replace('"helper_live_at_import": helper.LIVE_AT_IMPORT, ', "")
+    assert fits_runner(files) and not fits_runner(BUNDLE)      # colorsys is not in the runner
+    out, api = run_ok(sandbox, "", {}, bundle=bundle_modules(files))
+    assert out == {"sub": 16, "hosty": 5, "hosty_live_at_import": True}
+    assert api.calls == [("echo", 5, 0)]
+    # a child's program: source text of its own, with the bundle's modules beside it
+    out, _ = run_ok(sandbox, "from pkg import sub\nasync def main(input):\n    return sub.twice(1)\n", {},
+                    bundle=bundle_modules(files))
+    assert out == 12
+    err = run_fail(sandbox, "")                    # no source and no bundle: nothing to run
+    assert "no bundled main.py" in err.message
 
 
 def test_the_component_cache_keeps_the_most_recently_used(tmp_path, monkeypatch):

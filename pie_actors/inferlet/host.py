@@ -43,7 +43,7 @@ from collections import deque
 from typing import Any, Callable
 
 from ..config import RunLimits
-from .build import Artifact, build_bundle, ensure_runner, new_engine
+from .build import Artifact, Modules, build_bundle, ensure_runner, new_engine
 
 __all__ = ["Sandbox", "HostApi", "HostOpError", "FutureTable", "Inbox", "InferletError", "limit_store"]
 
@@ -423,6 +423,7 @@ class Sandbox:
         self._wasmtime = wasmtime
         self.engine = engine or new_engine()
         self.limits = limits or RunLimits()
+        self.is_runner = bundle is None        # the plain runner: a bundle's modules come with each run
         self.artifact: Artifact = (build_bundle(bundle, self.engine) if bundle is not None
                                    else ensure_runner(self.engine))
         t0 = time.perf_counter()
@@ -475,9 +476,10 @@ class Sandbox:
     # -- running --------------------------------------------------------------------------------
 
     def run(self, source: str, input: Any = None, api: HostApi | None = None, *,
-            limits: RunLimits | None = None, stats: dict | None = None) -> Any:
+            limits: RunLimits | None = None, stats: dict | None = None, bundle: Modules | None = None) -> Any:
         """Run an inferlet: `source` is its main module (empty: a bundle's main.py), `input`
         the JSON-able value given to `main`. Returns main's result; raises InferletError.
+        `bundle`: a bundle's modules (build.bundle_modules) for the plain runner to import from.
         `stats`, when given, receives timings: instantiate_s, run_s."""
         from wasmtime.component import Variant
 
@@ -513,7 +515,7 @@ class Sandbox:
             func = instance.get_func(store, "run")
             t1 = time.perf_counter()
             try:
-                out = func(store, source, _dumps(input))
+                out = func(store, source, _dumps(input), _dumps(bundle) if bundle else "")
             except wasmtime.WasmtimeError as e:
                 trap = self._classify_trap(run, e, timeout)
             if trap is not None:

@@ -2,8 +2,9 @@
 and reports what happens as events (pie_actors.process): Send and File while it runs, then Done or
 Failed. The launch API's local runtime and the InferletActor both run programs through here.
 
-Sandboxes are shared by every run of the process: one for the runner component, and one per recent
-bundle (each bundle is its own component, built once and cached on disk by content hash).
+Sandboxes are shared by every run of the process: one for the runner component (source text, and
+the bundles whose imports it holds), and one per recent bundle that needs more of the stdlib (its
+own component, built once and cached on disk by content hash).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ..config import RunLimits
 from ..gpu.engine.wire import EngineAddress
 from ..process import Done, Event, Failed
 from ..program import Program
-from .build import cache_dir
+from .build import bundle_modules, cache_dir, fits_runner
 from .host import HostOpError, InferletError, Sandbox
 from .ops import InferletHost
 from .peers import Peers
@@ -29,9 +30,10 @@ _sandboxes_lock = threading.Lock()
 
 
 def sandbox_for(program: Program) -> Sandbox:
-    """The Sandbox that runs `program`: the shared runner, or its bundle's component (unpacked under
-    the cache and built on first use)."""
-    key = None if program.bundle is None else program.bundle_key()
+    """The Sandbox that runs `program`: the shared runner (source text, or a bundle whose imports it
+    holds: its files go to the guest at launch), or the bundle's own component (unpacked under the
+    cache and built on first use)."""
+    key = None if program.bundle is None or fits_runner(program.bundle) else program.bundle_key()
     with _sandboxes_lock:
         sandbox = _sandboxes.get(key)
         if sandbox is None:
@@ -105,7 +107,9 @@ class Run:
             if self._cancelled is not None:
                 host.cancel(self._cancelled)
         try:
-            return sandbox.run(self.program.source, self.input, host, limits=self.limits)
+            bundle = self.program.bundle
+            modules = bundle_modules(bundle) if bundle is not None and sandbox.is_runner else None
+            return sandbox.run(self.program.source, self.input, host, limits=self.limits, bundle=modules)
         finally:
             self._restartable = host.state.restartable and host.state.client.lost_engine
             with self._lock:

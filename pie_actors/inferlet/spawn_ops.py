@@ -4,7 +4,7 @@ A child is a process of the parent's owner, started through the launch API by th
 (peers.py: `Runtime.launch` on the cluster, or the local runtime): it has a name that
 `session.send_to` reaches and runs in its own sandbox (an actor of its own on a cluster). Its
 program is a module of the parent's bundle (run as main, with the bundle's other modules
-importable: the same compiled component) or source text. A child that is not detached lives no
+importable, in the same sandbox) or source text. A child that is not detached lives no
 longer than its parent: its deadline is at most the parent's, and it is cancelled when the parent's
 run ends, however it ends (`close`).
 """

@@ -49,6 +49,7 @@ import traceback
 import types
 import typing
 import unicodedata
+import urllib.parse
 import uuid
 import warnings
 import weakref
@@ -71,10 +72,13 @@ def _register_source(filename: str, source: str) -> None:
 
 
 class _BundleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Imports the bundle's modules from the sources baked into the component."""
+    """Imports a bundle's modules from their sources: {module: (filename, is_package, source)}."""
+
+    def __init__(self, files):
+        self.files = files
 
     def find_spec(self, name, path=None, target=None):
-        entry = _pie_bundle.FILES.get(name)
+        entry = self.files.get(name)
         if entry is None or name == MAIN:
             return None
         filename, is_package, _ = entry
@@ -84,14 +88,14 @@ class _BundleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def exec_module(self, module):
-        filename, _, source = _pie_bundle.FILES[module.__name__]
+        filename, _, source = self.files[module.__name__]
         module.__file__ = filename
         _register_source(filename, source)
         exec(compile(source, filename, "exec"), module.__dict__)
 
 
 if _pie_bundle.FILES:
-    sys.meta_path.append(_BundleFinder())
+    sys.meta_path.append(_BundleFinder(_pie_bundle.FILES))
     # Bake the bundle's dependencies into the snapshot: the stdlib modules its files import,
     # then its own modules. A module that cannot be imported now (one that calls the host at
     # import time, say) is imported from its source when the inferlet first imports it.
@@ -100,6 +104,17 @@ if _pie_bundle.FILES:
             importlib.import_module(_name)
         except BaseException:
             pass
+
+
+def _bundle_files(bundle_json: str):
+    """The modules of the bundle this run belongs to: the ones baked in, or, on the plain runner,
+    the ones the host hands over (a bundle whose imports the runner holds needs no component of
+    its own). Each run is a fresh instance of the snapshot, so a finder added here lasts one run."""
+    if _pie_bundle.FILES or not bundle_json:
+        return _pie_bundle.FILES
+    files = {name: tuple(entry) for name, entry in json.loads(bundle_json).items()}
+    sys.meta_path.append(_BundleFinder(files))
+    return files
 
 
 def _user_traceback(exc: BaseException) -> str:
@@ -124,12 +139,13 @@ def _error(kind: str, exc: BaseException) -> Err:
     return Err(json.dumps({"kind": kind, "message": message, "traceback": text}))
 
 
-def _load_main(source: str) -> types.ModuleType:
+def _load_main(source: str, bundle_json: str) -> types.ModuleType:
     filename = "main.py"
+    files = _bundle_files(bundle_json)
     if not source:
-        entry = _pie_bundle.FILES.get(MAIN)
+        entry = files.get(MAIN)
         if entry is None:
-            raise RuntimeError("no inferlet source given and this component holds no bundled main.py")
+            raise RuntimeError("no inferlet source given and this run has no bundled main.py")
         filename, _, source = entry
     module = types.ModuleType(MAIN)
     module.__file__ = filename
@@ -140,14 +156,14 @@ def _load_main(source: str) -> types.ModuleType:
 
 
 class WitWorld(wit_world.WitWorld):
-    def run(self, source: str, input_json: str) -> str:
+    def run(self, source: str, input_json: str, bundle_json: str) -> str:
         _host._live = True
         _host._reset()
         random.seed()  # the snapshot holds the build's PRNG state; draw a fresh seed per run
         loop = _loop.new_loop()
         try:
             input = json.loads(input_json)
-            module = _load_main(source)
+            module = _load_main(source, bundle_json)
             main = getattr(module, "main", None)
             if main is None:
                 raise AttributeError("the inferlet defines no `main` function")
