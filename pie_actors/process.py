@@ -38,9 +38,12 @@ class File:
 
 @dataclass(frozen=True)
 class Done:
-    """The run returned: `output` is main's result."""
+    """The run returned: `output` is main's result. `tokens`: the input rows the engine ran for
+    it, prompts and generated tokens (prefix-cache hits not among them), its children's that
+    ended before it included."""
 
     output: Any
+    tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -53,13 +56,14 @@ class Failed:
     message: str
     traceback: str = ""
     restartable: bool = False
+    tokens: int = 0                 # as Done.tokens, up to the failure
 
     def error(self) -> InferletError:
         return InferletError(self.kind, self.message, self.traceback)
 
     @classmethod
-    def of(cls, error: InferletError, restartable: bool = False) -> Failed:
-        return cls(error.kind, error.message, error.guest_traceback, restartable)
+    def of(cls, error: InferletError, restartable: bool = False, tokens: int = 0) -> Failed:
+        return cls(error.kind, error.message, error.guest_traceback, restartable, tokens)
 
 
 Event = Union[Send, File, Done, Failed]
@@ -148,6 +152,11 @@ class Process:
     def ended(self) -> bool:
         """Whether the reader has seen the run's Done or Failed."""
         return self._end is not None
+
+    @property
+    def tokens(self) -> int:
+        """What the run cost the engine (Done.tokens), once the reader has seen its end; else 0."""
+        return 0 if self._end is None else self._end.tokens
 
     def events(self, timeout: float | None = None) -> Iterator[Event]:
         """The run's events as they arrive, ending with its Done or Failed (nothing after that).

@@ -176,6 +176,20 @@ def test_files_and_bundles_travel_with_the_launch(runtime, tmp_path):
     assert runtime.launch(tmp_path, {}, files={"f": b"quiet"}).result(120) == {"text": "QUIET"}
 
 
+def test_a_runs_tokens_are_the_rows_the_engine_ran_for_it(runtime):
+    """Done.tokens (what the quotas count): the engine's input rows for the run, prompt and
+    generated tokens; a second run of the same prompt takes its prefix from the cache and costs less."""
+    costs = []
+    for _ in range(2):
+        before = _idle(runtime)["tokens_computed"]
+        process = runtime.launch(COMPLETION, {"prompt": " ".join(PROMPTS * 4)})      # pages to share
+        end = list(process.events(timeout=120))[-1]
+        assert isinstance(end, Done) and process.tokens == end.tokens
+        assert end.tokens == _idle(runtime)["tokens_computed"] - before > 0
+        costs.append(end.tokens)
+    assert costs[1] < costs[0]
+
+
 def test_sixteen_concurrent_inferlets_get_their_alone_results(runtime):
     prompts = (PROMPTS * 4)[:16]
     alone = {p: runtime.launch(COMPLETION, {"prompt": p}).result(120) for p in PROMPTS}

@@ -281,15 +281,16 @@ def test_a_runs_limits_carry_its_keys_bounds_for_what_it_spawns():
 # ---- pie serve: partitions, quotas and isolation per key (the official SDKs) ---------------------
 
 A, B, ONE, TOKENS, PAGES = "key-a", "key-b", "key-one-inferlet", "key-few-tokens", "key-few-pages"
+WS_TOKENS = "key-few-tokens-by-websocket"
 QUOTAS = {"default": {"kv_pages": 256}, ONE: {"inferlets": 1}, TOKENS: {"tokens_per_minute": 20},
-          PAGES: {"kv_pages": 4}}
+          WS_TOKENS: {"tokens_per_minute": 20}, PAGES: {"kv_pages": 4}}
 
 
 @pytest.fixture(scope="module")
 def server(default_model_dir):
     from serve_helpers import start
 
-    with start(default_model_dir, api_keys=(A, B, ONE, TOKENS, PAGES), quotas=QUOTAS) as s:
+    with start(default_model_dir, api_keys=(A, B, ONE, TOKENS, WS_TOKENS, PAGES), quotas=QUOTAS) as s:
         yield s
 
 
@@ -381,6 +382,39 @@ def test_a_key_over_its_tokens_per_minute_gets_429_in_each_apis_shape(server):
     gemini_error = bodies["/v1beta/models/default:generateContent"].json()["error"]
     assert (gemini_error["code"], gemini_error["status"]) == (429, "RESOURCE_EXHAUSTED")
     assert ask(server, B, "Hello").choices[0].message.content       # other keys are not held back
+
+
+ONE_PASS = """
+from inferlet import model
+from inferlet.eta import ForwardPass, Pipeline, StateGeometry, WorkingSet, intrinsics, reduce_argmax
+
+async def main(input):
+    tokens = model.encode("The capital of France is Paris, the capital of Italy is Rome, and the capital "
+                          "of Spain is Madrid.")
+    ws, fwd = WorkingSet(), ForwardPass()
+    fwd.embed(tokens)
+    fwd.state([ws], StateGeometry.folding())
+    out = fwd.epilogue(lambda: reduce_argmax(intrinsics.output(0, "logits")))
+    Pipeline().submit(fwd)
+    await out
+    return len(tokens)
+"""
+
+
+def test_a_websocket_process_counts_against_its_keys_tokens_per_minute(server):
+    """A program's tokens count whatever door it came in by: here the engine rows of one pass."""
+    import openai
+
+    from pie_actors.client import Client
+    from pie_actors.ws_protocol import RequestError
+
+    with Client(server.url, WS_TOKENS) as client:
+        assert client.wait(client.submit(ONE_PASS).id, timeout=60) > 20     # one pass of more than 20 rows
+        with pytest.raises(RequestError) as refused:
+            client.submit(ONE_PASS)
+        assert refused.value.code == "rate_limited" and "tokens_per_minute" in str(refused.value)
+    with pytest.raises(openai.RateLimitError):
+        ask(server, WS_TOKENS, "Hello")
 
 
 def test_a_key_over_its_kv_pages_is_refused_with_429_and_every_page_returns(server):

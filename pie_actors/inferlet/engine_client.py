@@ -177,6 +177,11 @@ class EngineClient:
     async def stats(self) -> wire.Stats:
         return await self.call("stats")
 
+    async def usage(self) -> int:
+        """The input rows (tokens, prefix-cache hits not among them) the engine ran for this
+        connection's passes so far."""
+        return await self.call("usage")
+
     async def chan_create(self, shape: list[int], dtype: str, capacity: int = 1, values: Any = None) -> int:
         """A new channel (owned by this connection), holding `values` when given; returns its id."""
         return await self.call("chan_create", shape=shape, dtype=dtype, capacity=capacity, values=values)

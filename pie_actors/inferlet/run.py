@@ -75,6 +75,7 @@ class Run:
         self._early: list[tuple[str, Any]] = []
         self._cancelled: str | None = None
         self._restartable = False      # it declared so, and its engine connection was lost
+        self._tokens = 0               # what it cost the engine (RunState.tokens), once it ended
 
     def start(self) -> threading.Thread:
         """Run on a thread of its own."""
@@ -85,11 +86,13 @@ class Run:
     def run(self) -> None:
         """Run to the end; always emits Done or Failed last."""
         try:
-            self.emit(Done(self._run()))
+            output = self._run()
         except InferletError as e:
-            self.emit(Failed.of(e, self._restartable))
+            self.emit(Failed.of(e, self._restartable, self._tokens))
         except Exception as e:           # a bundle that does not build, say
-            self.emit(Failed("trap", f"{type(e).__name__}: {e}"))
+            self.emit(Failed("trap", f"{type(e).__name__}: {e}", tokens=self._tokens))
+        else:
+            self.emit(Done(output, self._tokens))
 
     def _run(self) -> Any:
         sandbox = sandbox_for(self.program)
@@ -112,6 +115,7 @@ class Run:
             return sandbox.run(self.program.source, self.input, host, limits=self.limits, bundle=modules)
         finally:
             self._restartable = host.state.restartable and host.state.client.lost_engine
+            self._tokens = host.state.tokens
             with self._lock:
                 self._host = None
 

@@ -61,6 +61,7 @@ class RunState:
         self._thread.start()
         self._closed = False
         self.restartable = False     # runtime.declare_restartable: may run again if its engine is lost
+        self.tokens = 0              # what the run cost the engine (`close` reads it), its ended children's too
         try:
             self.client: EngineClient = self._wait(
                 EngineClient.connect(*engine_address, owner=owner, kv_pages=limits.kv_pages), CONNECT_TIMEOUT_S)
@@ -128,6 +129,10 @@ class RunState:
             return
         self._closed = True
         try:
+            try:
+                self.tokens += self._wait(self.client.usage(), CLOSE_TIMEOUT_S)
+            except Exception:
+                pass             # the engine is gone: what it ran for the run is not known
             self._wait(self.client.close(), CLOSE_TIMEOUT_S)
         finally:
             self._stop_loop()

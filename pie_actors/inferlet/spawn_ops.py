@@ -125,6 +125,7 @@ class SpawnOps:
         """The run ended: cancel the children that are not detached and still run, and stop
         reading every child's events (the host loop closes next)."""
         for child in self.children.values():
+            self.run.tokens += child.process.tokens
             if not child.result.done():
                 if not child.detached:
                     child.process.kill(f"its parent {self._peers().sender!r} ended")

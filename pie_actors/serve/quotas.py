@@ -1,5 +1,5 @@
 """Per-key quotas of pie serve (`[serve.quotas]`): how many inferlets a key may run at once, how many
-tokens its API requests may use a minute, and how many KV pages its processes may hold together.
+tokens its requests and processes may use a minute, and how many KV pages its processes may hold together.
 
     [serve.quotas]
     default = {inferlets = 8, tokens_per_minute = 100000, kv_pages = 2048}
@@ -8,9 +8,10 @@ tokens its API requests may use a minute, and how many KV pages its processes ma
 A bound left out (or 0) is no bound. Over a bound, a launch is refused with ApiError("rate_limited"):
 each API answers 429 in its own shape, the WebSocket an error frame of that code. Running inferlets
 are counted by the runtime (`Runtime.running`), so every front door's launches count, and a key
-can launch again once one of its inferlets has ended; tokens are counted from the usage of the
-requests that ended in the last minute. The KV page bound travels with each launch to the engine
-(`RunLimits.kv_pages`), which fails the allocation that would go past it (kvstore `QuotaExceeded`).
+can launch again once one of its inferlets has ended. Tokens are those of the API requests (their
+usage) and of the WebSocket processes (what the engine ran for each, `Done.tokens`) that ended in
+the last minute. The KV page bound travels with each launch to the engine (`RunLimits.kv_pages`),
+which fails the allocation that would go past it (kvstore `QuotaExceeded`).
 """
 from __future__ import annotations
 
@@ -90,7 +91,8 @@ class Quotas:
         return dataclasses.replace(base, **bounds) if bounds else base
 
     def used(self, owner: str | None, tokens: int) -> None:
-        """`owner`'s request that just ended used `tokens` (prompt and completion)."""
+        """`owner`'s request that just ended used `tokens`: an API request's usage (prompt and
+        completion), a WebSocket process's Done.tokens (what the engine ran for it)."""
         if tokens > 0 and self.of(owner).tokens_per_minute:
             self._tokens.setdefault(owner, deque()).append((self.clock(), tokens))
 

@@ -66,7 +66,7 @@ class Server:
         quotas = Quotas(serve.quotas, running=lambda owner: self.serving.runtime.running(owner))
         self._endpoints = Endpoints(serve.routes, metrics, quotas)
         self.serving = Serving(model_name(self.config.engine.model), served_names(self.config), metrics,
-                               Sessions(serve.idle_timeout_s, serve.detached_buffer),
+                               Sessions(serve.idle_timeout_s, serve.detached_buffer, spent=quotas.used),
                                responses=StoredResponses(serve.stored_responses), quotas=quotas)
         self._loaded = threading.Event()
         self._uvicorn = None

@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from ..config import RunLimits
 from ..process import Done, Event, Failed, Process
@@ -62,8 +62,10 @@ class Sessions:
     """`idle_timeout_s`: how long a process may have no client attached before it is ended and
     forgotten. `buffer_limit`: messages it may send meanwhile; the next one ends it."""
 
-    def __init__(self, idle_timeout_s: float, buffer_limit: int) -> None:
-        self.idle_timeout_s, self.buffer_limit = idle_timeout_s, buffer_limit
+    def __init__(self, idle_timeout_s: float, buffer_limit: int,
+                 spent: Callable[[str | None, int], None] = lambda owner, tokens: None) -> None:
+        """`spent(owner, tokens)`: a process ended, having cost the engine `tokens` (the quotas)."""
+        self.idle_timeout_s, self.buffer_limit, self.spent = idle_timeout_s, buffer_limit, spent
         self._sessions: dict[str, Session] = {}
         self._programs: OrderedDict[tuple[str | None, str], Program] = OrderedDict()
         self._pumps: set[asyncio.Task] = set()
@@ -159,6 +161,7 @@ class Sessions:
         seq, session.seq = session.seq, session.seq + 1
         if isinstance(event, (Done, Failed)):
             session.end = event
+            self.spent(session.owner, event.tokens)
             for waiter in session.waiters:
                 if not waiter.done():
                     waiter.set_result(event)

@@ -88,7 +88,8 @@ def _optional(check: Callable[..., Any], value: Any, *what: str) -> Any:
 
 # op -> (required fields, optional fields)
 _FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "info": ((), ()), "create": ((), ()), "stats": ((), ()), "idle": ((), ()), "fork": (("seq",), ()),
+    "info": ((), ()), "create": ((), ()), "stats": ((), ()), "usage": ((), ()), "idle": ((), ()),
+    "fork": (("seq",), ()),
     "free": (("seq",), ()), "seq_state": (("seq",), ()), "reserve": (("seq", "end"), ()),
     "save": (("seq", "name", "owner"), ()), "open": (("name", "owner"), ()), "saved": (("owner",), ()),
     "delete_saved": (("name", "owner"), ()),
@@ -309,6 +310,10 @@ class _Connection:
 
     def _op_stats(self, msg: dict[str, Any]) -> wire.Stats:
         return self.server.stats()
+
+    def _op_usage(self, msg: dict[str, Any]) -> int:
+        """The input rows the engine ran for this connection's passes so far."""
+        return self.engine.tokens_by_owner.get(self.id, 0)
 
     def _op_idle(self, msg: dict[str, Any]) -> None:
         self.engine.idle(self.id)

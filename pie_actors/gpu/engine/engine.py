@@ -74,6 +74,7 @@ class Engine:
         self.batch_sizes: Counter[int] = Counter()   # lanes per executed batch
         self.decode_batch_sizes: Counter[int] = Counter()   # the same, of batches of one row a lane
         self.tokens_computed = 0                     # input rows the model ran, prefill and decode
+        self.tokens_by_owner: Counter[int | None] = Counter()   # the same per program, while it is connected
         self.row_epilogues = Counter()               # "calls": batched epilogue runs, "passes": passes they served
         # seconds of executed steps by part: "plan" (scheduling, page tables), "model" (the forward
         # on the workers), "epilogue", "finish" (commits, futures); the engine's own cost is plan + finish
@@ -222,6 +223,7 @@ class Engine:
         """Program `owner` has gone (its connection closed)."""
         with self._lock:
             self.scheduler.arrivals.forget(owner)
+            self.tokens_by_owner.pop(owner, None)
             self._lock.notify()
 
     def step(self) -> int:
@@ -266,6 +268,8 @@ class Engine:
             return
         self.batch_sizes[len(plan.lanes)] += 1
         self.tokens_computed += len(plan.input_ids)
+        for p in planned:
+            self.tokens_by_owner[p.request.owner] += p.inputs
         if len(plan.input_ids) == len(plan.lanes):
             self.decode_batch_sizes[len(plan.lanes)] += 1
         t1 = time.perf_counter()

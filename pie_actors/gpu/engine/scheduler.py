@@ -135,6 +135,7 @@ class Planned:
     rows: slice                           # its readout rows in the batch's logits
     commits: list[tuple[int, int | None]] # (seq, fold_to) to commit after the batch ran
     undo: list[Mark]                      # sequence extents to roll back to if the batch fails
+    inputs: int = 0                       # the input rows it put into the batch (prefix-cache hits not among them)
 
 
 class Arrivals:
@@ -348,7 +349,7 @@ class Scheduler:
             raise
         plan.adapters += [AdapterUse(site, layer, mark[0], len(plan.input_ids), fn)
                           for site, layer, fn in req.adapters]
-        return Planned(req, slice(mark[2], len(plan.readout)), commits, undo)
+        return Planned(req, slice(mark[2], len(plan.readout)), commits, undo, len(plan.input_ids) - mark[0])
 
     def _take_tokens(self, lane: Lane) -> Lane:
         """The lane with its input tokens taken from its channel, when it has one."""
