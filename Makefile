@@ -26,7 +26,7 @@ demo: setup
 	$(VENV)/bin/pie run examples/quickstart/main.py -- --question "What is the capital of France?"
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 bench: setup
 	$(PY) bench/engine.py
