@@ -14,7 +14,7 @@ import asyncio
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator, Protocol, Union
 
 from .inferlet.host import InferletError
@@ -43,7 +43,7 @@ class Done:
     ended before it included."""
 
     output: Any
-    tokens: int = 0
+    tokens: int = field(default=0, compare=False)     # what it cost, not what it gave
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Failed:
     message: str
     traceback: str = ""
     restartable: bool = False
-    tokens: int = 0                 # as Done.tokens, up to the failure
+    tokens: int = field(default=0, compare=False)     # as Done.tokens, up to the failure
 
     def error(self) -> InferletError:
         return InferletError(self.kind, self.message, self.traceback)

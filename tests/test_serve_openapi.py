@@ -10,7 +10,7 @@ from schemathesis.checks import content_type_conformance, not_a_server_error, st
 
 from serve_helpers import idle, start
 
-EXAMPLES = 12                         # per operation
+EXAMPLES = 8                          # per operation
 ALIAS_EXAMPLES = 3                    # per alias of a Gemini route (the same handler without v1beta/)
 # Generated requests that reach the model decode a few tokens only, so the run stays short
 TOKEN_LIMITS = {"max_tokens": 4, "max_completion_tokens": 4, "n": 2, "top_logprobs": 2}
