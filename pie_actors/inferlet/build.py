@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import fcntl
+import functools
 import hashlib
 import os
 import platform
@@ -134,6 +135,7 @@ def _imports(source: str, filename: str) -> list[str]:
     return targets
 
 
+@functools.cache
 def _runner_imports() -> frozenset[str]:
     """Every module the runner's snapshot holds by name: what its entry module imports, with
     the packages above each."""

@@ -546,9 +546,6 @@ class Sandbox:
                 api.on_exit(error)
             except Exception:
                 log.exception("HostApi.on_exit failed")
-            # A raised error's traceback holds this frame: without these locals it is no cycle, so
-            # the run's state goes when the error does, not at the next full garbage collection.
-            run = error = api = None
 
     def _classify_trap(self, run: _Run, e: Exception, timeout: float) -> InferletError:
         if run.failure is not None:                 # a host import ended the run
