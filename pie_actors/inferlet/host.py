@@ -546,6 +546,10 @@ class Sandbox:
                 api.on_exit(error)
             except Exception:
                 log.exception("HostApi.on_exit failed")
+            # A raised error's traceback holds this frame, and the error lives on in its Process:
+            # without these locals the run's host and state do not live on with it (in the suite,
+            # leaving them kept two failed runs' stores alive past a full collection).
+            run = error = api = None
 
     def _classify_trap(self, run: _Run, e: Exception, timeout: float) -> InferletError:
         if run.failure is not None:                 # a host import ended the run
