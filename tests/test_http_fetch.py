@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -37,10 +38,12 @@ async def main(input):
 class _Handler(BaseHTTPRequestHandler):
     in_flight = 0
     most_in_flight = 0
+    paths: list[str] = []
     lock = threading.Lock()
 
     def do_GET(self):
         cls = type(self)
+        cls.paths.append(self.path)
         with cls.lock:
             cls.in_flight += 1
             cls.most_in_flight = max(cls.most_in_flight, cls.in_flight)
@@ -167,3 +170,23 @@ def test_pie_run_allow_host_opens_one_run(default_model_dir, server, tmp_path):
                              timeout=300, env=env)
     assert allowed.returncode == 0, allowed.stderr[-2000:]
     assert json.loads(allowed.stdout.strip().splitlines()[-1]) == {"path": "/cli"}
+
+
+def test_a_name_that_rebinds_to_a_private_address_after_the_check_is_not_reached(runtime, server, monkeypatch):
+    """A hostile DNS answers a public address to the check and loopback after it: the request goes to
+    the checked address (nothing listens there), never to the local server."""
+    port = int(server.rsplit(":", 1)[1])
+    answers = []
+    real = socket.getaddrinfo
+
+    def rebinding(host, *args, **kwargs):
+        if host not in ("rebind.test", b"rebind.test"):     # anyio asks in bytes
+            return real(host, *args, **kwargs)
+        answers.append("93.184.215.14" if not answers else "127.0.0.1")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (answers[-1], port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", rebinding)
+    _Handler.paths = []
+    [got] = _fetch(runtime, [{"url": f"http://rebind.test:{port}/rebind", "timeout": 1.0}], ("*",))
+    assert answers[0] == "93.184.215.14"
+    assert got["error"] in ("failed", "timeout") and "/rebind" not in _Handler.paths

@@ -9,15 +9,15 @@ run's limits:
 * A host whose addresses are not public (loopback, private, link-local, reserved ranges) or are this
   machine's or the Ray cluster's own is refused unless it is named in the list itself (by name or
   by address): "*" never opens them.
+* The request connects to the address that was checked (the URL's host goes in the Host header and
+  TLS's server name), so a name whose DNS answer changes after the check (rebinding) cannot move
+  the request to an address the check would refuse.
 * Redirects are followed by hand (at most MAX_REDIRECTS), each target through the same guards.
 * `limits.http_timeout_s` bounds a request (the guest may ask for less), and so does the run's
   deadline; a body over `limits.http_response_mb` is cut off and fails the request.
 
 Every refusal or failure fails the guest's future with "KIND: message", KIND one of refused,
 timeout, too_large, failed (the SDK raises `http.HttpError` with that kind).
-
-The addresses are checked when resolved, and httpx resolves the host again when it connects: a
-name whose DNS answer changes between the two (rebinding) is not caught.
 """
 from __future__ import annotations
 
@@ -108,8 +108,10 @@ class HttpOps:
                            f"({', '.join(sorted(self.allowed))}; pie run --allow-host HOST adds one)")
         return host
 
-    async def _check_addresses(self, url: str) -> None:
-        """Refuse a host that resolves to a private or cluster address, unless it is named itself."""
+    async def _checked_address(self, url: str) -> str:
+        """The address to connect to for `url`: its host's first, once every one it resolves to passes.
+
+        A private or cluster address is refused unless the host is named on the list itself."""
         host = self._check_listed(url)
         port = urlsplit(url).port or (443 if url.lower().startswith("https") else 80)
         loop = asyncio.get_running_loop()
@@ -117,9 +119,9 @@ class HttpOps:
             infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except OSError as e:
             raise OSError(f"cannot resolve {host!r}: {e}") from None
-        addresses = {info[4][0] for info in infos}
-        if host in self.allowed or addresses & self.allowed:
-            return                              # named on the list: the user meant this host
+        addresses = list(dict.fromkeys(info[4][0] for info in infos))     # the resolver's order
+        if host in self.allowed or self.allowed.intersection(addresses):
+            return addresses[0]                 # named on the list: the user meant this host
         if self._own is None:
             self._own = await loop.run_in_executor(None, own_addresses)
         for address in sorted(addresses):
@@ -128,6 +130,7 @@ class HttpOps:
                 raise _Refused(f"http.fetch of {host!r}: it resolves to {address}, a private or this "
                                "cluster's own address; name the host itself in [limits] allow_hosts "
                                "to reach it")
+        return addresses[0]
 
     async def _fetch(self, fid: int, method: str, url: str, headers: dict[str, str], body: bytes | None,
                      timeout: float) -> None:
@@ -145,10 +148,16 @@ class HttpOps:
     async def _follow(self, method: str, url: str, headers: dict[str, str], body: bytes | None) -> dict[str, Any]:
         import httpx
 
+        headers = {k: v for k, v in headers.items() if k.lower() != "host"}
         async with httpx.AsyncClient(follow_redirects=False, trust_env=False) as client:
             for _ in range(MAX_REDIRECTS + 1):
-                await self._check_addresses(url)
-                async with client.stream(method, url, headers=headers, content=body) as response:
+                target = httpx.URL(url)
+                request = client.build_request(
+                    method, target.copy_with(host=await self._checked_address(url)), content=body,
+                    headers={**headers, "host": target.netloc.decode("ascii")},
+                    extensions={"sni_hostname": target.raw_host.decode("ascii")})
+                response = await client.send(request, stream=True)
+                try:
                     if response.is_redirect and "location" in response.headers:
                         url = urljoin(url, response.headers["location"])
                         if response.status_code in (301, 302, 303) and method != "HEAD":
@@ -157,6 +166,8 @@ class HttpOps:
                     return {"status": response.status_code, "url": url,
                             "headers": [[k, v] for k, v in response.headers.multi_items()],
                             "body": base64.b64encode(await self._read(response, url)).decode("ascii")}
+                finally:
+                    await response.aclose()
             raise OSError(f"more than {MAX_REDIRECTS} redirects")
 
     async def _read(self, response: Any, url: str) -> bytes:
