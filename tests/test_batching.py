@@ -4,6 +4,8 @@ else leaves the wait at once. Counted from the engine's statistics, never timed.
 from __future__ import annotations
 
 import asyncio
+
+import pytest
 from pie_actors import Runtime, Send
 from pie_actors.inferlet.engine_client import EngineClient
 from tests.inferlet_helpers import idle_stats
@@ -136,39 +138,62 @@ def _ir(*ops) -> dict:
     return {"ops": [list(op) for op in ops], "outputs": [len(ops) - 1]}
 
 
-def test_which_programs_may_run_once_for_many_passes():
-    from pie_actors.gpu.eta import compile_program
-
-    logits = ("output", [0, "logits"])
-    cases = {
-        "argmax": (_ir(logits, ("reduce_argmax", [{"t": 0}])), True),
-        "scaled argmax": (_ir(logits, ("constant", [[0.5], "f32"]), ("div", [{"t": 0}, {"t": 1}]),
-                              ("reduce_argmax", [{"t": 2}])), True),
-        "log-probabilities": (_ir(logits, ("log_softmax", [{"t": 0}])), True),
-        "a reduction used again": (_ir(logits, ("reduce_max", [{"t": 0}]), ("sub", [{"t": 0}, {"t": 1}])), False),
-        "a second lane": (_ir(("output", [1, "logits"]), ("reduce_argmax", [{"t": 0}])), False),
-        "a channel": (_ir(("take", [3]), ("reduce_argmax", [{"t": 0}])), False),
-        "a reshape": (_ir(logits, ("reduce_argmax", [{"t": 0}]), ("reshape", [{"t": 1}, [1]])), False),
-    }
-    for name, (ir, batchable) in cases.items():
-        assert compile_program(ir, device="cpu", backend="torch").batchable == batchable, name
-
-
 SCALED = LOCKSTEP.replace('reduce_argmax(intrinsics.output(0, "logits"))',
                           'reduce_argmax(intrinsics.output(0, "logits") / 0.5)')
 
 
-def test_one_epilogue_run_serves_a_whole_decode_step(runtime):
-    """N programs with the same (row-wise) epilogue: the engine runs it once a step for all of them,
-    and each gets exactly what its own run of the epilogue gives."""
+# the endpoints' device loop: the epilogue picks the token into the next pass's input channel and
+# the host's, each program on channels of its own
+RUN_AHEAD = """
+from inferlet import chat, model, session
+from inferlet.eta import (Channel, ForwardPass, Pipeline, StateGeometry, WorkingSet, dtype, intrinsics,
+                          reduce_argmax, reshape)
+
+async def main(input):
+    ws, pipe = WorkingSet(), Pipeline()
+    feed = Channel([1], dtype.i32)
+    out = Channel([1], dtype.i32).capacity(model.channel_capacity())
+
+    def program():
+        token = reshape(reduce_argmax(intrinsics.output(0, "logits")), [1])
+        feed.put(token)
+        out.put(token)
+
+    first = ForwardPass()
+    first.embed(chat.prefix() + model.encode(input["prompt"]))
+    first.state([ws], StateGeometry.folding())
+    first.epilogue(program)
+    pipe.submit(first)
+    tokens = [await out.take_scalar()]
+    session.send("ready")
+    await session.receive()
+    fwd = ForwardPass()
+    fwd.embed(feed)
+    fwd.state([ws], StateGeometry.folding())
+    fwd.epilogue(program)
+
+    async def on_token():
+        tokens.append(await out.take_scalar())
+        return len(tokens) < input["n"]
+
+    await pipe.run_ahead(fwd, input["n"] + 3 * model.run_ahead_window(), on_token)
+    return {"tokens": tokens}
+"""
+
+
+@pytest.mark.parametrize("source", [SCALED, RUN_AHEAD], ids=["row-wise", "own channels"])
+def test_one_epilogue_run_serves_a_whole_decode_step(runtime, source):
+    """N programs with the same epilogue (row-wise, or the device loop's, which differ only in
+    their channels): the engine runs it once a step for all of them, and each gets exactly what
+    its own run of the epilogue gives."""
     prompts = [f"Recipe {i}: to bake good bread, first" for i in range(N)]
-    alone = _lockstep_with(runtime, SCALED, prompts[:1])[0]
+    alone = _lockstep_with(runtime, source, prompts[:1])[0]
     before = runtime.stats()["row_epilogues"]
-    together = _lockstep_with(runtime, SCALED, prompts)
+    together = _lockstep_with(runtime, source, prompts)
     after = runtime.stats()["row_epilogues"]
     assert together[0] == alone and len(set(map(tuple, together))) > 1
     calls, passes = after.get("calls", 0) - before.get("calls", 0), after.get("passes", 0) - before.get("passes", 0)
-    assert calls >= TOKENS - 2 and passes >= 0.9 * N * TOKENS        # one run a step, for (nearly) every pass
+    assert calls >= TOKENS - 2 and passes >= 0.9 * N * (TOKENS - 1)   # one run a step, for (nearly) every pass
 
 
 def _lockstep_with(runtime: Runtime, source: str, prompts: list[str]) -> list:
@@ -178,3 +203,137 @@ def _lockstep_with(runtime: Runtime, source: str, prompts: list[str]) -> list:
     for process in processes:
         process.send("go")
     return [p.result(120)["tokens"] for p in processes]
+
+
+# ---- programs with channels: one run for many passes, each pass's channels its own ------------------
+
+V = 11      # a small vocabulary: the programs' values are checked whole
+
+
+def _t(i: int) -> dict:
+    return {"t": i}
+
+
+def _channel_programs(c: dict[str, int]) -> dict[str, dict]:
+    """The device code of the endpoints' decode loops (greedy, bias and penalties, sampling,
+    logprobs), over channels `c` of one pass."""
+    return {
+        "greedy": {"ops": [["output", [0, "logits"]], ["reduce_argmax", [_t(0)]], ["reshape", [_t(1), [1]]],
+                           ["put", [c["feed"], _t(2)]], ["put", [c["out"], _t(2)]]], "outputs": []},
+        "bias and penalties": {"ops": [
+            ["output", [0, "logits"]], ["take", [c["bias"]]], ["put", [c["bias"], _t(1)]], ["add", [_t(0), _t(1)]],
+            ["take", [c["counts"]]], ["gt", [_t(4), 0]], ["cast", [_t(5), "f32"]], ["mul", [_t(6), 0.5]],
+            ["sub", [_t(3), _t(7)]], ["mul", [_t(4), 0.25]], ["sub", [_t(8), _t(9)]], ["reduce_argmax", [_t(10)]],
+            ["reshape", [_t(11), [1]]], ["put", [c["out"], _t(12)]], ["iota", [V, "i64"]], ["eq", [_t(14), _t(12)]],
+            ["cast", [_t(15), "f32"]], ["add", [_t(4), _t(16)]], ["put", [c["counts"], _t(17)]]],
+            "outputs": [11, 3]},
+        "sampling": {"ops": [
+            ["output", [0, "logits"]], ["div", [_t(0), 0.7]], ["top_k", [_t(1), 5]], ["softmax", [_t(2)]],
+            ["cummass_le", [_t(3), 0.9]], ["mask_apply", [_t(2), _t(4)]], ["softmax", [_t(5)]],
+            ["reduce_max", [_t(6)]], ["mul", [_t(7), 0.05]], ["ge", [_t(6), _t(8)]], ["mask_apply", [_t(5), _t(9)]],
+            ["take", [c["seed"]]], ["add", [_t(11), 1]], ["put", [c["seed"], _t(12)]],
+            ["gumbel_max", [_t(10), _t(11)]], ["reshape", [_t(14), [1]]], ["put", [c["out"], _t(15)]]],
+            "outputs": [14, 7]},
+        "logprobs": {"ops": [
+            ["output", [0, "logits"]], ["reduce_argmax", [_t(0)]], ["log_softmax", [_t(0)]],
+            ["reshape", [_t(1), [1]]], ["gather", [_t(2), _t(3)]], ["put", [c["out"], _t(4)]],
+            ["constant", [[1.0, 2.0], "f32"]]],
+            "outputs": [4, 6]},
+    }
+
+
+def test_which_programs_run_once_for_many_passes():
+    from pie_actors.gpu.eta import compile_program
+
+    c = {"feed": 1, "out": 2, "bias": 3, "counts": 4, "seed": 5}
+    logits = ["output", [0, "logits"]]
+    lanewise = {
+        **_channel_programs(c),
+        "argmax": _ir(logits, ("reduce_argmax", [_t(0)])),
+        "scaled argmax": _ir(logits, ("constant", [[0.5], "f32"]), ("div", [_t(0), _t(1)]), ("reduce_argmax", [_t(2)])),
+        "a reduction used again": _ir(logits, ("reduce_max", [_t(0)]), ("sub", [_t(0), _t(1)])),
+    }
+    for name, ir in lanewise.items():
+        assert compile_program(ir, device="cpu", backend="torch").lanewise, name
+    not_lanewise = {
+        "a second lane": _ir(("output", [1, "logits"]), ("reduce_argmax", [_t(0)])),
+        "two takes of a channel": _ir(("take", [3]), ("take", [3]), ("add", [_t(0), _t(1)])),
+        "a take after a put": _ir(logits, ("put", [3, _t(0)]), ("take", [3])),
+        "a matmul": _ir(logits, ("matmul", [_t(0), _t(0)])),
+        "the row offsets": _ir(("indptr", []), ("cast", [_t(0), "f32"])),
+    }
+    for name, ir in not_lanewise.items():
+        assert not compile_program(ir, device="cpu", backend="torch").lanewise, name
+    a, b = (compile_program(_channel_programs(dict(zip(c, ids)))["sampling"], device="cpu")
+            for ids in ((1, 2, 3, 4, 5), (21, 22, 23, 24, 25)))
+    assert a.hash != b.hash and a.lane_key == b.lane_key      # the same code on other channels: one run
+
+
+def test_one_run_for_many_passes_equals_each_pass_alone():
+    """Each program, run once for 5 passes with their own channels, gives every pass the outputs
+    and leaves every channel (queued values and values sent to the host) as 5 runs alone do."""
+    import torch
+
+    from pie_actors.gpu.engine.channels import ChannelStore
+    from pie_actors.gpu.engine.epilogues import lanes_program_epilogue, program_epilogue
+    from pie_actors.gpu.eta import compile_program
+
+    passes = 5
+    rows = torch.randn(passes, V, generator=torch.Generator().manual_seed(0))
+
+    def setup(store: ChannelStore, pushed: list) -> list[dict[str, int]]:
+        made = []
+        for p in range(passes):
+            c = {"feed": store.create([1], "i32", 4), "out": store.create([1], "f32", 4),
+                 "bias": store.create([V], "f32", 1, [float((p * 7 + i) % 5) for i in range(V)]),
+                 "counts": store.create([V], "f32", 1, [float((p + i) % 3) for i in range(V)]),
+                 "seed": store.create([1], "i64", 1, [1000 + p])}
+            store.subscribe(c["out"], lambda cid, value, error: pushed.append((cid, value, error)))
+            made.append(c)
+        return made
+
+    def queued(store: ChannelStore, made: list[dict[str, int]]) -> list:
+        return [{k: [v.tolist() for v in store.snapshot([cid]).get(cid, [])] for k, cid in c.items()} for c in made]
+
+    for name in _channel_programs({"feed": 1, "out": 2, "bias": 3, "counts": 4, "seed": 5}):
+        alone_store, alone_pushed = ChannelStore(torch.device("cpu"), 1 << 20), []
+        alone_channels = setup(alone_store, alone_pushed)
+        alone = []
+        for p, c in enumerate(alone_channels):
+            program = compile_program(_channel_programs(c)[name], device="cpu")
+            alone.append(program_epilogue(program, [1], alone_store, set(c.values()))(rows[p:p + 1]))
+        store, pushed = ChannelStore(torch.device("cpu"), 1 << 20), []
+        channels = setup(store, pushed)
+        epilogues = [lanes_program_epilogue(compile_program(_channel_programs(c)[name], device="cpu"), store,
+                                            set(c.values())) for c in channels]
+        assert len({e.key for e in epilogues}) == 1, name
+        together = epilogues[0].run(rows, epilogues)
+        assert together == alone, name
+        assert queued(store, channels) == queued(alone_store, alone_channels), name
+        slot = {cid: (p, k) for p, c in enumerate(channels) for k, cid in c.items()}
+        alone_slot = {cid: (p, k) for p, c in enumerate(alone_channels) for k, cid in c.items()}
+        assert sorted((slot[cid], v) for cid, v, _ in pushed) == sorted((alone_slot[cid], v) for cid, v, _ in alone_pushed)
+
+
+def test_a_shared_run_that_cannot_finish_puts_nothing_and_a_full_channel_fails_its_pass_only():
+    import torch
+
+    from pie_actors.gpu.engine.channels import ChannelStore
+    from pie_actors.gpu.engine.epilogues import EpilogueError, lanes_program_epilogue
+    from pie_actors.gpu.eta import compile_program
+
+    store = ChannelStore(torch.device("cpu"), 1 << 20)
+    channels = [{"feed": store.create([1], "i32", 1), "out": store.create([1], "f32", 1),
+                 "seed": store.create([1], "i64", 1, [7])} for _ in range(3)]
+    store.take(channels[1]["seed"])                 # pass 1's seed is gone: the shared run cannot take it
+    epilogues = [lanes_program_epilogue(compile_program(_channel_programs({"bias": 0, "counts": 0, **c})["sampling"], device="cpu"), store,
+                                        set(c.values())) for c in channels]
+    with pytest.raises(Exception, match="empty"):
+        epilogues[0].run(torch.zeros(3, V), epilogues)
+    store.put(channels[1]["seed"], [8])
+    greedy = [lanes_program_epilogue(compile_program(_channel_programs({"bias": 0, "counts": 0, **c})["greedy"], device="cpu"), store,
+                                     set(c.values())) for c in channels]
+    store.put(channels[2]["feed"], [0])             # pass 2's feed is full: its put fails, the others' do not
+    results = greedy[0].run(torch.eye(3, V), greedy)
+    assert results[:2] == [[], []] and isinstance(results[2], EpilogueError) and "full" in str(results[2])
+    assert [store.take(c["feed"]).tolist() for c in channels] == [[0], [1], [0]]

@@ -31,8 +31,8 @@ from ..model.adapters import parse_site
 from .channels import ChannelError
 from .engine import Engine
 from .scheduler import Epilogue, Lane, PassError, PassRequest, Repeat, RowEpilogue
-from .epilogues import (ROWS_EPILOGUES, SIMPLE, SIMPLE_EPILOGUES, EpilogueError, adapter_fn, program_epilogue,
-                        prologue_runner, rows_program_epilogue)
+from .epilogues import (ROWS_EPILOGUES, SIMPLE, SIMPLE_EPILOGUES, EpilogueError, adapter_fn, lanes_program_epilogue,
+                        program_epilogue, prologue_runner)
 from ..eta import EtaError, Program
 
 log = logging.getLogger(__name__)
@@ -408,7 +408,8 @@ class _Connection:
             program = self.programs[pid]
             made = self._made[key] = (
                 program_epilogue(program, rows, self.engine.channels, self.channels),
-                rows_program_epilogue(program) if rows == [1] and program.batchable else None)
+                lanes_program_epilogue(program, self.engine.channels, self.channels)
+                if rows == [1] and program.lanewise else None)
         return made
 
     def _program(self, pid: Any) -> Program:

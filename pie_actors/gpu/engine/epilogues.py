@@ -16,7 +16,7 @@ from .channels import ChannelError, ChannelStore
 from .scheduler import Epilogue, RowEpilogue
 from ..eta import EtaError, Program, argmax
 
-__all__ = ["EpilogueError", "PassEnv", "program_epilogue", "rows_program_epilogue", "prologue_runner",
+__all__ = ["EpilogueError", "PassEnv", "program_epilogue", "lanes_program_epilogue", "PassesEnv", "prologue_runner",
            "adapter_fn", "SIMPLE", "SIMPLE_EPILOGUES", "ROWS_EPILOGUES"]
 
 class EpilogueError(RuntimeError):
@@ -35,7 +35,7 @@ def _logits(logits: torch.Tensor) -> Any:
 SIMPLE: dict[str, Epilogue] = {"argmax": _argmax, "logits": _logits}
 # the same, once for the single read-out rows of many passes (each pass's result: a list of one token)
 ROWS_EPILOGUES: dict[str, RowEpilogue] = {
-    "argmax": RowEpilogue("argmax", lambda rows: [[token] for token in argmax(rows).tolist()])}
+    "argmax": RowEpilogue("argmax", lambda rows, _: [[token] for token in argmax(rows).tolist()])}
 
 
 def _guarded(name: str, run: Epilogue) -> Epilogue:
@@ -112,12 +112,59 @@ def program_epilogue(program: Program, rows_per_lane: list[int], channels: Chann
     return _guarded(f"program {program.hash[:12]}", run)
 
 
-def rows_program_epilogue(program: Program) -> RowEpilogue:
-    """A `batchable` program run once for the single read-out rows of many passes."""
-    def run(rows: torch.Tensor) -> list[list[Any]]:
-        columns = [value.tolist() for value in program.run_rows(rows)]
-        return [list(row) for row in zip(*columns)]
-    return RowEpilogue(program, run)
+class PassesEnv:
+    """The eta LanesEnv of one-row passes that run a program once for all (`Program.run_lanes`):
+    their rows, and each pass's channels, bound by position to the first pass's (the programs
+    differ only in their channel ids). Puts wait for `commit`, so a run that fails has put
+    nothing."""
+
+    def __init__(self, rows: torch.Tensor, members: list[tuple[Program, set[int]]], channels: ChannelStore) -> None:
+        self.rows, self.channels, self.passes = rows, channels, len(members)
+        self.owned = [owned for _, owned in members]
+        first = members[0][0].slots
+        self.bound = {cid: [program.slots[i] for program, _ in members] for i, cid in enumerate(first)}
+        self.puts: list[tuple[int, torch.Tensor, bool]] = []
+
+    def output(self, lane: int, name: str) -> torch.Tensor:
+        if (lane, name) != (0, "logits"):
+            raise LookupError(f"lane {lane} {name!r}: passes run together read lane 0's logits")
+        return self.rows
+
+    def take(self, channel: int) -> torch.Tensor:
+        cids = self.bound[channel]
+        if any(cid not in owned for cid, owned in zip(cids, self.owned)):
+            raise LookupError(f"channel {channel} is not every pass's own")
+        return torch.stack([self.channels.take(cid) for cid in cids])
+
+    def put(self, channel: int, value: torch.Tensor, per_pass: bool) -> None:
+        self.puts.append((channel, value, per_pass))
+
+    def commit(self) -> list[Exception | None]:
+        """Each pass's puts, in program order; the error of a pass whose put failed (its later puts
+        are not made, as when it runs alone)."""
+        errors: list[Exception | None] = [None] * self.passes
+        for p in range(self.passes):
+            try:
+                for channel, value, per_pass in self.puts:
+                    cid = self.bound[channel][p]
+                    if cid not in self.owned[p]:
+                        raise ChannelError(f"channel {cid} does not exist (never created by this inferlet, or freed)")
+                    self.channels.put(cid, value[p] if per_pass else value)
+            except ChannelError as e:
+                errors[p] = EpilogueError(f"epilogue failed: {e}")
+        return errors
+
+
+def lanes_program_epilogue(program: Program, channels: ChannelStore, owned: set[int]) -> RowEpilogue:
+    """A `lanewise` program run once for the single read-out rows of many passes, each pass's
+    channels its own (its connection's `owned`)."""
+    def run(rows: torch.Tensor, members: list[RowEpilogue]) -> list[Any]:
+        env = PassesEnv(rows, [m.own for m in members], channels)
+        columns = [value.tolist() for value in program.run_lanes(env)]
+        errors = env.commit()
+        return [error or list(outputs) for error, outputs in zip(errors, zip(*columns) if columns else
+                                                                  [()] * len(members))]
+    return RowEpilogue(program.lane_key, run, (program, owned))
 
 
 def adapter_fn(program: Program, channels: ChannelStore, owned: set[int]) -> Callable:

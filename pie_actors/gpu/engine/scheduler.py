@@ -104,13 +104,16 @@ class Repeat:
 
 @dataclass(frozen=True)
 class RowEpilogue:
-    """An epilogue the engine may run once for many passes that each read out one row: `run(rows)`
-    takes [passes, vocab] and gives each pass's result, in order. Passes whose `key` is the same
-    share one call (one launch a batch, not one a pass); the pass's own `epilogue` must give the
-    same result alone."""
+    """An epilogue the engine may run once for many passes that each read out one row. Passes whose
+    `key` is the same share one call (one launch a batch, not one a pass): the first pass's
+    `run(rows, members)` takes their rows [passes, vocab] and every pass's RowEpilogue (`own` is
+    what is that pass's own: its channels) and gives each pass's result in order, or an
+    exception for a pass whose own part failed. A pass's own `epilogue` must give the same result
+    alone; if `run` raises, each pass runs its own."""
 
     key: Any
-    run: Callable[[torch.Tensor], list[Any]]
+    run: Callable[[torch.Tensor, list["RowEpilogue"]], list[Any]]
+    own: Any = None
 
 
 @dataclass

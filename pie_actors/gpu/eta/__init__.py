@@ -11,7 +11,9 @@ to earlier ops only, no use of `put` results, outputs in range, known model outp
 lane or an empty channel raise EtaError from `run`. The op semantics are in `ops`.
 
 Program: `hash` (blake2b of the canonical IR JSON), `backend` ("torch" or "triton"), `reads`
-(the (lane, output name) pairs it reads), `run(env)`. Backends: "torch" interprets the ops
+(the (lane, output name) pairs it reads), `run(env)`; and where `lanewise`, `run_lanes(env)`:
+one run for the single read-out rows of many passes stacked, each with its own channels
+(`LanesEnv`; programs that differ only in their channel ids share a `lane_key`). Backends: "torch" interprets the ops
 with torch (CPU or CUDA); "triton" fuses the program into one kernel, one program instance per
 read-out row (see triton_backend for what it covers; shapes it cannot fuse run the torch
 interpreter, with the same results); "auto" is Triton on CUDA when triton imports and the
@@ -25,7 +27,7 @@ Results: reduce_argmax, gumbel_max, nucleus_sample and masked_argmax return int6
 reduction of a [vocab] read gives a 0-d tensor, of a [rows, vocab] read a [rows] tensor.
 """
 from .ops import DTYPES, MODEL_OUTPUTS, OPS, EtaError, argmax
-from .program import Env, Program, ProgramCache, TensorEnv, compile_program
+from .program import Env, LanesEnv, Program, ProgramCache, TensorEnv, compile_program
 
-__all__ = ["EtaError", "Env", "TensorEnv", "Program", "ProgramCache", "compile_program", "OPS",
+__all__ = ["EtaError", "Env", "LanesEnv", "TensorEnv", "Program", "ProgramCache", "compile_program", "OPS",
            "DTYPES", "MODEL_OUTPUTS", "argmax"]

@@ -59,7 +59,7 @@ import torch
 from ..kernels import cpu_kernels
 
 __all__ = ["EtaError", "OpSpec", "OPS", "DTYPES", "MODEL_OUTPUTS", "MAX_ELEMENTS", "is_ref",
-           "mix32", "seed_key", "gumbel_noise", "MIX_MULTIPLIERS", "GOLDEN"]
+           "mix32", "seed_key", "seed_keys", "gumbel_noise", "flat_index", "MIX_MULTIPLIERS", "GOLDEN"]
 
 
 class EtaError(ValueError):
@@ -149,7 +149,12 @@ def seed_key(seed: int | torch.Tensor):
         if seed.numel() != 1 or seed.dtype.is_floating_point or seed.dtype == torch.bool:
             raise ValueError(f"a seed must be one integer, got a {_describe(seed)} tensor")
         seed = seed.reshape(()).to(torch.int64)
-    return mix32((seed & M32) ^ mix32(((seed >> 32) & M32) ^ GOLDEN))
+    return seed_keys(seed)
+
+
+def seed_keys(seeds):
+    """The stream keys of int64 seeds, elementwise (a Python int is one seed)."""
+    return mix32((seeds & M32) ^ mix32(((seeds >> 32) & M32) ^ GOLDEN))
 
 
 def gumbel_noise(index: torch.Tensor, key) -> torch.Tensor:
@@ -159,7 +164,7 @@ def gumbel_noise(index: torch.Tensor, key) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
 
-def _flat_index(shape, device) -> torch.Tensor:
+def flat_index(shape, device) -> torch.Tensor:
     return torch.arange(math.prod(shape), dtype=torch.int64, device=device).reshape(shape)
 
 
@@ -254,12 +259,12 @@ def _top_k(x: torch.Tensor, k: int) -> torch.Tensor:
 
 def _gumbel(shape: list[int], seed) -> torch.Tensor:
     device = seed.device if isinstance(seed, torch.Tensor) else None
-    return gumbel_noise(_flat_index(shape, device), seed_key(seed))
+    return gumbel_noise(flat_index(shape, device), seed_key(seed))
 
 
 def _gumbel_max(logits: torch.Tensor, seed) -> torch.Tensor:
     x = logits.float()
-    return argmax(x + gumbel_noise(_flat_index(x.shape, x.device), seed_key(seed)))
+    return argmax(x + gumbel_noise(flat_index(x.shape, x.device), seed_key(seed)))
 
 
 def _nucleus_sample(logits: torch.Tensor, p, seed) -> torch.Tensor:

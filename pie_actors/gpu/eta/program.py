@@ -16,9 +16,9 @@ from typing import Any, Protocol
 
 import torch
 
-from .ops import MODEL_OUTPUTS, OPS, EtaError, OpSpec, is_ref
+from .ops import MODEL_OUTPUTS, OPS, EtaError, OpSpec, argmax, flat_index, gumbel_noise, is_ref, seed_key, seed_keys
 
-__all__ = ["Env", "TensorEnv", "Program", "ProgramCache", "compile_program", "parse"]
+__all__ = ["Env", "LanesEnv", "TensorEnv", "Program", "ProgramCache", "compile_program", "parse"]
 
 
 class Env(Protocol):
@@ -227,40 +227,133 @@ def fold(parsed: Parsed, device: torch.device) -> dict[int, torch.Tensor]:
     return consts
 
 
-# Ops that keep a row's values in that row when lane outputs carry a leading row dimension, and the
-# reductions over the last dimension (safe when their results are only the program's outputs).
-_ROW_OPS = frozenset({"output", "add", "sub", "mul", "div", "neg", "abs", "exp", "log", "cos", "max_elem",
-                      "min_elem", "eq", "ne", "lt", "le", "gt", "ge", "and", "select", "cast",
-                      "softmax", "log_softmax"})
-_ROW_REDUCTIONS = frozenset({"reduce_max", "reduce_sum", "reduce_argmax", "l2norm", "entropy"})
+# Ops that run for many one-row passes at once with the passes stacked on a leading dimension
+# (`Program.run_lanes`): elementwise ops (their operands' pass dimensions aligned), ops on the last
+# axis (which is never the pass dimension), and the env and shape ops written out in `_lane_call`.
+_ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "neg", "abs", "exp", "log", "cos", "max_elem",
+                          "min_elem", "eq", "ne", "lt", "le", "gt", "ge", "and", "select", "mask_apply",
+                          "cast"})
+_LAST_AXIS = frozenset({"reduce_max", "reduce_sum", "reduce_argmax", "softmax", "log_softmax", "l2norm",
+                        "entropy", "entropy_from_logprobs", "top_k", "cumsum", "cumprod", "cummass_le",
+                        "masked_argmax"})
+_LANE_OPS = _ELEMENTWISE | _LAST_AXIS | {"output", "take", "put", "reshape", "gather", "gumbel_max"}
 
 
-def rows_independent(parsed: Parsed, consts: dict[int, torch.Tensor]) -> bool:
-    """Whether the program computes each read-out row on its own and reads only lane 0, so that
-    the single rows of many passes can run as one lane of many rows (`Program.run_rows`): row ops
-    on rows and constants, last-dimension reductions whose results are only outputs, no channels."""
-    reduced: set[int] = set()
+class _NotLanewise(Exception):
+    """A value met at run time that the stacked form cannot compute as each pass alone would."""
+
+
+def lanewise(parsed: Parsed, consts: dict[int, torch.Tensor]) -> bool:
+    """Whether the program can run once for the single read-out rows of many passes, each with its
+    own channels (`Program.run_lanes`): it reads lane 0 only, its ops are in _LANE_OPS, and it
+    takes from a channel at most once and never after putting into it (the stacked run takes
+    every pass's values before it puts any)."""
+    taken: set[int] = set()
+    put: set[int] = set()
     for node in parsed.nodes:
         if node.index in consts:
             continue
         name = node.spec.name
-        if name == "output" and node.args[0] != 0:
+        if name not in _LANE_OPS or (name == "output" and node.args[0] != 0):
             return False
-        if name in _ROW_REDUCTIONS:
-            reduced.add(node.index)
-        elif name not in _ROW_OPS:
-            return False
-        if any(ref in reduced for _, ref in node.refs):
-            return False
-    return all(o not in consts for o in parsed.outputs)
+        if name == "take":
+            if node.args[0] in taken or node.args[0] in put:
+                return False
+            taken.add(node.args[0])
+        elif name == "put":
+            put.add(node.args[0])
+    return True
+
+
+def _lane_key(parsed: Parsed, slots: tuple[int, ...]) -> str:
+    """The program's hash with its channels numbered by first use: programs that differ only in
+    which channels they use share it (and one stacked run)."""
+    slot = {cid: i for i, cid in enumerate(slots)}
+    ops = [[name, [slot[args[0]], *args[1:]] if name in ("take", "put") else args]
+           for name, args in json.loads(parsed.text)["ops"]]
+    text = json.dumps({"ops": ops, "outputs": list(parsed.outputs)}, sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+class LanesEnv(Protocol):
+    """What a program run for many passes at once (`Program.run_lanes`) reads and changes: the
+    passes' lane-0 outputs stacked [passes, vocab]; each pass's channel values stacked (the
+    program's channel ids name the first pass's channels; the env maps them to each pass's own);
+    puts of per-pass values (row p is pass p's) or of one value for all."""
+
+    passes: int
+
+    def output(self, lane: int, name: str) -> torch.Tensor: ...
+
+    def take(self, channel: int) -> torch.Tensor: ...
+
+    def put(self, channel: int, value: torch.Tensor, per_pass: bool) -> None: ...
+
+
+def _aligned(args: list, lanes: set[int]) -> list:
+    """The operands with their pass dimensions lined up: a per-pass value of lower rank than the
+    others gets unit dimensions after its pass dimension, so that each pass's values broadcast
+    as they do alone (where ranks align from the right)."""
+    rank = max((a.dim() - (pos in lanes) for pos, a in enumerate(args) if isinstance(a, torch.Tensor)), default=0)
+    for pos in lanes:
+        a = args[pos]
+        if a.dim() - 1 < rank:
+            args[pos] = a.reshape(a.shape[0], *[1] * (rank - a.dim() + 1), *a.shape[1:])
+    return args
+
+
+def _lane_gumbel_max(x: torch.Tensor, seed: Any, per_pass_seed: bool) -> torch.Tensor:
+    x = x.float()
+    shape = x.shape[1:]
+    if per_pass_seed:
+        if seed.dtype.is_floating_point or seed.dtype == torch.bool or seed[0].numel() != 1:
+            raise _NotLanewise("a seed must be one integer a pass")
+        key = seed_keys(seed.reshape(-1).to(torch.int64)).reshape(-1, *[1] * len(shape))
+    else:
+        key = seed_key(seed)
+    return argmax(x + gumbel_noise(flat_index(shape, x.device), key))
+
+
+def _lane_call(node: Node, values: list, env: LanesEnv, consts: dict[int, torch.Tensor]) -> Any:
+    """One node on stacked values: every value not folded has the passes' leading dimension."""
+    args = list(node.args)
+    lanes = set()
+    for pos, ref in node.refs:
+        args[pos] = values[ref]
+        if ref not in consts:
+            lanes.add(pos)
+    name = node.spec.name
+    if name == "output":
+        return env.output(*args).float()
+    if name == "take":
+        return env.take(args[0])
+    if name == "put":
+        env.put(args[0], args[1], 1 in lanes)
+        return None
+    if name in _ELEMENTWISE:
+        return node.spec.impl(*_aligned(args, lanes))
+    if 0 not in lanes:                   # every op left reads a per-pass tensor first
+        raise _NotLanewise(f"op {node.index} ({name}) on a constant")
+    if name == "reshape":
+        return torch.reshape(args[0], [args[0].shape[0], *args[1]])
+    if name == "gather":
+        if isinstance(args[1], torch.Tensor) and 1 not in lanes:
+            raise _NotLanewise(f"op {node.index} (gather) with constant indices")
+        return node.spec.impl(*args)     # both stacked: their ranks keep their relation
+    if name == "gumbel_max":
+        return _lane_gumbel_max(args[0], args[1], 1 in lanes)
+    if args[0].dim() < 2:                # the last axis would be the passes'
+        raise _NotLanewise(f"op {node.index} ({name}) on a per-pass number")
+    return node.spec.impl(*_aligned(args, lanes))
 
 
 class Program:
     """A compiled eta program. Run it once per pass with the pass's Env.
 
     Output tensors are on the program's device; treat them as read-only (an output that is a
-    constant is the same tensor every run). `batchable` programs may also run once for the single
-    read-out rows of many passes (`run_rows`): one launch a batch instead of one a pass."""
+    constant is the same tensor every run). `lanewise` programs may also run once for the single
+    read-out rows of many passes (`run_lanes`): one launch a batch instead of one a pass; programs
+    that differ only in their channels share a `lane_key` and so a run."""
 
     backend = "torch"
 
@@ -274,8 +367,10 @@ class Program:
         self.nodes = parsed.nodes
         self.consts = consts
         self._steps = [n for n in parsed.nodes if n.index not in consts]
-        self.batchable = rows_independent(parsed, consts)
-        self.channels = frozenset(n.args[0] for n in parsed.nodes if n.spec.name in ("take", "put"))
+        self.slots = tuple(dict.fromkeys(n.args[0] for n in parsed.nodes if n.spec.name in ("take", "put")))
+        self.channels = frozenset(self.slots)
+        self.lanewise = lanewise(parsed, consts)
+        self.lane_key = _lane_key(parsed, self.slots) if self.lanewise else None
 
     def evaluate(self, env: Env, consts: dict[int, torch.Tensor]) -> list:
         """Every op's value (None for put), with `consts` standing for the folded ops."""
@@ -291,10 +386,17 @@ class Program:
         values = self.evaluate(env, self.consts)
         return [values[o] for o in self.outputs]
 
-    def run_rows(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        """A `batchable` program's outputs for many passes' single read-out rows [passes, vocab]:
-        output i's row p is what pass p alone would get."""
-        return self.run(TensorEnv({(0, "logits"): rows.float()}))
+    def run_lanes(self, env: LanesEnv) -> list[torch.Tensor]:
+        """A `lanewise` program's outputs for `env.passes` one-row passes at once, each [passes, ...]:
+        row p is what pass p alone would get. Raises (and has put nothing) where a value's shape
+        does not allow the stacked form; the caller then runs each pass alone."""
+        values: list = [None] * len(self.nodes)
+        for i, c in self.consts.items():
+            values[i] = c
+        for node in self._steps:
+            values[node.index] = _lane_call(node, values, env, self.consts)
+        return [values[o] if o not in self.consts else values[o].expand(env.passes, *values[o].shape)
+                for o in self.outputs]
 
     def __repr__(self) -> str:
         return f"<eta Program {self.hash[:12]} {self.backend} {len(self.nodes)} ops>"
