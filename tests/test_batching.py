@@ -220,6 +220,9 @@ def _channel_programs(c: dict[str, int]) -> dict[str, dict]:
     return {
         "greedy": {"ops": [["output", [0, "logits"]], ["reduce_argmax", [_t(0)]], ["reshape", [_t(1), [1]]],
                            ["put", [c["feed"], _t(2)]], ["put", [c["out"], _t(2)]]], "outputs": []},
+        "greedy, the token put as a number": {"ops": [["output", [0, "logits"]], ["reduce_argmax", [_t(0)]],
+                                                      ["put", [c["feed"], _t(1)]], ["put", [c["out"], _t(1)]]],
+                                              "outputs": [1]},
         "bias and penalties": {"ops": [
             ["output", [0, "logits"]], ["take", [c["bias"]]], ["put", [c["bias"], _t(1)]], ["add", [_t(0), _t(1)]],
             ["take", [c["counts"]]], ["gt", [_t(4), 0]], ["cast", [_t(5), "f32"]], ["mul", [_t(6), 0.5]],

@@ -118,6 +118,38 @@ class ChannelStore:
                 return
         sink(cid, tensor.tolist(), None)
 
+    def put_rows(self, cids: list[int], values: torch.Tensor) -> list[ChannelError | None]:
+        """Put row i of `values` into channel `cids[i]`, for many channels at once: one conversion
+        and copy of the rows a dtype, one lock, and no tensor work a channel (an epilogue run for
+        many passes puts this way). The error of a channel that cannot take its row stands in its
+        place; the other rows are put."""
+        errors: list[ChannelError | None] = [None] * len(cids)
+        rows: dict[torch.dtype, tuple[torch.Tensor, list | None]] = {}
+        sends = []
+        with self._lock:
+            for i, cid in enumerate(cids):
+                try:
+                    chan = self._get(cid)
+                    if chan.dtype not in rows:    # a copy: the rows may be a program's constant
+                        rows[chan.dtype] = (values.to(self.device, chan.dtype, copy=True), None)
+                    converted, lists = rows[chan.dtype]
+                    fits = tuple(converted.shape[1:]) == chan.shape
+                    row = converted[i] if fits else self._value(chan, converted[i])   # a reshape, or its error
+                    if chan.sink is not None:
+                        if lists is None:
+                            rows[chan.dtype] = (converted, lists := converted.tolist())
+                        sends.append((chan.sink, cid, lists[i] if fits else row.tolist()))
+                    elif len(chan.values) >= chan.capacity:
+                        raise ChannelError(f"channel {cid} is full ({chan.capacity} values; raise it "
+                                           "with .capacity(n))")
+                    else:
+                        chan.values.append(row)
+                except ChannelError as e:
+                    errors[i] = e
+        for sink, cid, value in sends:
+            sink(cid, value, None)
+        return errors
+
     def put_bits(self, cid: int, words: list[int], n: int) -> None:
         """Enqueue a bool value of `n` elements sent as packed int32 words (bit i % 32 of word
         i // 32 = element i): 1 number per 32 tokens of a vocabulary mask."""

@@ -140,18 +140,21 @@ class PassesEnv:
         self.puts.append((channel, value, per_pass))
 
     def commit(self) -> list[Exception | None]:
-        """Each pass's puts, in program order; the error of a pass whose put failed (its later puts
-        are not made, as when it runs alone)."""
+        """The puts, in program order, each for all passes at once; the error of a pass whose put
+        failed (its later puts are not made, as when it runs alone)."""
         errors: list[Exception | None] = [None] * self.passes
-        for p in range(self.passes):
-            try:
-                for channel, value, per_pass in self.puts:
-                    cid = self.bound[channel][p]
-                    if cid not in self.owned[p]:
-                        raise ChannelError(f"channel {cid} does not exist (never created by this inferlet, or freed)")
-                    self.channels.put(cid, value[p] if per_pass else value)
-            except ChannelError as e:
-                errors[p] = EpilogueError(f"epilogue failed: {e}")
+        for channel, value, per_pass in self.puts:
+            for p, cid in enumerate(self.bound[channel]):
+                if errors[p] is None and cid not in self.owned[p]:
+                    errors[p] = EpilogueError(f"epilogue failed: channel {cid} does not exist (never "
+                                              "created by this inferlet, or freed)")
+            going = [p for p in range(self.passes) if errors[p] is None]
+            cids = [self.bound[channel][p] for p in going]
+            rows = (value[going] if len(going) < self.passes else value) if per_pass else \
+                value.expand(len(going), *value.shape)
+            for p, error in zip(going, self.channels.put_rows(cids, rows)):
+                if error is not None:
+                    errors[p] = EpilogueError(f"epilogue failed: {error}")
         return errors
 
 
