@@ -121,8 +121,9 @@ class ChannelStore:
     def put_rows(self, cids: list[int], values: torch.Tensor) -> list[ChannelError | None]:
         """Put row i of `values` into channel `cids[i]`, for many channels at once: one conversion
         and copy of the rows a dtype, one lock, and no tensor work a channel (an epilogue run for
-        many passes puts this way). The error of a channel that cannot take its row stands in its
-        place; the other rows are put."""
+        many passes puts this way; a queued row is a view of that copy, which lives until every
+        channel has let go of its row). The error of a channel that cannot take its row stands in
+        its place; the other rows are put."""
         errors: list[ChannelError | None] = [None] * len(cids)
         rows: dict[torch.dtype, tuple[torch.Tensor, list | None]] = {}
         sends = []
