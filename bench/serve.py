@@ -87,10 +87,20 @@ class Stream:
 
 
 @dataclass(frozen=True)
+class EngineShare:
+    """What the engine did during a load: its decode steps' mean lanes, and the ms an executed step
+    spent in the model, in the epilogues and in its own bookkeeping (plan + finish)."""
+    lanes: float
+    model_ms: float
+    epilogue_ms: float
+    own_ms: float
+
+
+@dataclass(frozen=True)
 class Load:
     streams: list[Stream]
-    wall: float                       # seconds from the first request sent to the last answered
-    decode_lanes: float | None = None  # mean lanes of the engine's decode steps meanwhile
+    wall: float                         # seconds from the first request sent to the last answered
+    engine: EngineShare | None = None   # the engine meanwhile (None for llama.cpp)
 
 
 # ---- the load generator (its own process) ----------------------------------------------------------
@@ -185,10 +195,18 @@ def llama_cpp_server(gguf: Path, threads: int) -> Iterator[str]:
         log.close()
 
 
-def decode_lanes(before: Counter, after: Counter) -> float:
-    """Mean lanes of the decode steps between two snapshots of engine.decode_batch_sizes."""
-    steps = after - before
-    return sum(k * v for k, v in steps.items()) / max(sum(steps.values()), 1)
+def engine_snapshot(engine: Any) -> tuple[Counter, Counter]:
+    return Counter(engine.decode_batch_sizes), Counter(engine.step_seconds)
+
+
+def engine_share(engine: Any, before: tuple[Counter, Counter]) -> EngineShare:
+    """The engine's share of the load since `before` (an engine_snapshot)."""
+    batches, seconds = engine_snapshot(engine)
+    batches.subtract(before[0])
+    seconds.subtract(before[1])
+    per_step = {k: 1e3 * v / max(seconds["steps"], 1) for k, v in seconds.items()}
+    return EngineShare(sum(k * v for k, v in batches.items()) / max(sum(batches.values()), 1),
+                       per_step["model"], per_step["epilogue"], per_step["plan"] + per_step["finish"])
 
 
 def engine_load(engine: Any, concurrency: int, requests: int, max_tokens: int, first_index: int) -> Load:
@@ -198,7 +216,7 @@ def engine_load(engine: Any, concurrency: int, requests: int, max_tokens: int, f
     chats = [tok.encode(tok.chat_template.render(messages(i), add_generation_prompt=True))
              for i in range(first_index, first_index + requests)]
     streams: list[Stream] = []
-    before = Counter(engine.decode_batch_sizes)
+    before = engine_snapshot(engine)
     t0 = time.perf_counter()
     for start in range(0, requests, concurrency):
         prompts = chats[start:start + concurrency]
@@ -208,7 +226,7 @@ def engine_load(engine: Any, concurrency: int, requests: int, max_tokens: int, f
                         on_token=lambda lane, _token: times[lane].append(time.perf_counter()))
         streams += [Stream(t[0] - sent, (t[-1] - t[0]) / max(len(t) - 1, 1), len(t)) for t in times]
     wall = time.perf_counter() - t0
-    return Load(streams, wall, decode_lanes(before, Counter(engine.decode_batch_sizes)))
+    return Load(streams, wall, engine_share(engine, before))
 
 
 # ---- figures ---------------------------------------------------------------------------------------
@@ -237,22 +255,24 @@ class Row:
     concurrency: int
     requests: int
     figures: Figures | str            # a note ("unavailable: ...") where the system did not run
-    decode_lanes: float | None
+    engine: EngineShare | None
     load_average: float               # the machine's 1-min load average once the level was done
 
 
 def results_table(rows: list[Row]) -> str:
     lines = ["| system | C | requests | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | output tok/s | requests/s "
-             "| tokens/request | mean decode batch | load average |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| tokens/request | mean decode batch | engine ms a step: model / epilogue / own | load average |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         f = r.figures
         if isinstance(f, str):
-            lines.append(f"| {r.system} | {r.concurrency} | – | {f} | | | | | | | |")
+            lines.append(f"| {r.system} | {r.concurrency} | – | {f} | | | | | | | | |")
             continue
-        lanes = f"{r.decode_lanes:.1f}" if r.decode_lanes is not None else "–"
+        e = r.engine
+        lanes, step = (f"{e.lanes:.1f}", f"{e.model_ms:.1f} / {e.epilogue_ms:.1f} / {e.own_ms:.1f}") if e else ("–", "–")
         lines.append(f"| {r.system} | {r.concurrency} | {r.requests} | {1e3 * f.ttft_p50:.0f} | {1e3 * f.ttft_p99:.0f} "
                      f"| {1e3 * f.tpot_p50:.1f} | {f.tokens_per_s:.1f} | {f.requests_per_s:.2f} "
-                     f"| {'/'.join(map(str, f.tokens))} | {lanes} | {r.load_average:.1f} |")
+                     f"| {'/'.join(map(str, f.tokens))} | {lanes} | {step} | {r.load_average:.1f} |")
     return "\n".join(lines)
 
 
@@ -304,12 +324,11 @@ class Systems:
         if system == "engine":
             return engine_load(self.engine, concurrency, requests, self.max_tokens, first_index)
         url, extra = self.servers[system]
-        before = Counter(self.engine.decode_batch_sizes)
+        before = engine_snapshot(self.engine)
         # llama.cpp's server answers any model name with the one model it serves
         load = self.clients.submit(drive, url, "default", concurrency, requests, self.max_tokens, extra,
                                    first_index).result()
-        lanes = decode_lanes(before, Counter(self.engine.decode_batch_sizes)) if system == "serve" else None
-        return Load(load.streams, load.wall, lanes)
+        return Load(load.streams, load.wall, engine_share(self.engine, before) if system == "serve" else None)
 
     def usage(self, system: str) -> tuple[int, int]:
         """(prompt, completion) tokens of one unstreamed reply, as the server counts them."""
@@ -383,7 +402,7 @@ def main() -> None:
                 load = bench.load(system, c, n, index)
                 index += n
                 figures[system, c] = f = Figures.of(load)
-                rows.append(Row(system, c, n, f, load.decode_lanes, os.getloadavg()[0]))
+                rows.append(Row(system, c, n, f, load.engine, os.getloadavg()[0]))
                 print(results_table(rows[-1:]).splitlines()[-1], flush=True)
                 if f.tokens != (max_tokens,):
                     raise SystemExit(f"{system} at C={c}: replies of {f.tokens} tokens, not {max_tokens}: "
