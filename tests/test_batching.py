@@ -333,6 +333,7 @@ def test_a_shared_run_that_cannot_finish_puts_nothing_and_a_full_channel_fails_i
                                         set(c.values())) for c in channels]
     with pytest.raises(Exception, match="empty"):
         epilogues[0].run(torch.zeros(3, V), epilogues)
+    assert [store.snapshot([c["seed"]])[c["seed"]][0].tolist() for c in (channels[0], channels[2])] == [[7], [7]]
     store.put(channels[1]["seed"], [8])
     greedy = [lanes_program_epilogue(compile_program(_channel_programs({"bias": 0, "counts": 0, **c})["greedy"], device="cpu"), store,
                                      set(c.values())) for c in channels]

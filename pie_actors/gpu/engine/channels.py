@@ -125,21 +125,22 @@ class ChannelStore:
         channel has let go of its row). The error of a channel that cannot take its row stands in
         its place; the other rows are put."""
         errors: list[ChannelError | None] = [None] * len(cids)
-        rows: dict[torch.dtype, tuple[torch.Tensor, list | None]] = {}
+        converted: dict[torch.dtype, torch.Tensor] = {}    # a copy: the rows may be a program's constant
+        listed: dict[torch.dtype, list] = {}
         sends = []
         with self._lock:
             for i, cid in enumerate(cids):
                 try:
                     chan = self._get(cid)
-                    if chan.dtype not in rows:    # a copy: the rows may be a program's constant
-                        rows[chan.dtype] = (values.to(self.device, chan.dtype, copy=True), None)
-                    converted, lists = rows[chan.dtype]
-                    fits = tuple(converted.shape[1:]) == chan.shape
-                    row = converted[i] if fits else self._value(chan, converted[i])   # a reshape, or its error
+                    if chan.dtype not in converted:
+                        converted[chan.dtype] = values.to(self.device, chan.dtype, copy=True)
+                    rows = converted[chan.dtype]
+                    fits = tuple(rows.shape[1:]) == chan.shape
+                    row = rows[i] if fits else self._value(chan, rows[i])   # a reshape, or its error
                     if chan.sink is not None:
-                        if lists is None:
-                            rows[chan.dtype] = (converted, lists := converted.tolist())
-                        sends.append((chan.sink, cid, lists[i] if fits else row.tolist()))
+                        if fits and chan.dtype not in listed:
+                            listed[chan.dtype] = rows.tolist()
+                        sends.append((chan.sink, cid, listed[chan.dtype][i] if fits else row.tolist()))
                     elif len(chan.values) >= chan.capacity:
                         raise ChannelError(f"channel {cid} is full ({chan.capacity} values; raise it "
                                            "with .capacity(n))")

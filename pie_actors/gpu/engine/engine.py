@@ -312,8 +312,8 @@ class Engine:
 
     def _batched_epilogues(self, planned: list[Planned], logits: torch.Tensor) -> dict[int, Any]:
         """Results of the passes whose epilogues run once for all passes sharing them (their
-        `rows_epilogue`), by index in `planned`; a group whose run fails gets its channels back
-        and falls back to each pass's own epilogue, so a pass's error stays its own."""
+        `rows_epilogue`), by index in `planned`; a group whose run fails falls back to each pass's
+        own epilogue, so a pass's error stays its own."""
         groups: dict[Any, list[int]] = {}
         for i, p in enumerate(planned):
             batched = p.request.rows_epilogue
@@ -325,11 +325,9 @@ class Engine:
                 continue
             rows = logits[torch.tensor([planned[i].rows.start for i in members], device=logits.device)]
             epilogues = [planned[i].request.rows_epilogue for i in members]
-            held = self.channels.snapshot(sorted({c for i in members for c in planned[i].request.channels}))
             try:
                 outputs = epilogues[0].run(rows, epilogues)
             except Exception:
-                self.channels.restore(held)
                 continue
             results.update(zip(members, outputs))
             self.row_epilogues.update(calls=1, passes=len(members))

@@ -115,15 +115,17 @@ def program_epilogue(program: Program, rows_per_lane: list[int], channels: Chann
 class PassesEnv:
     """The eta LanesEnv of one-row passes that run a program once for all (`Program.run_lanes`):
     their rows, and each pass's channels, bound by position to the first pass's (the programs
-    differ only in their channel ids). Puts wait for `commit`, so a run that fails has put
-    nothing."""
+    differ only in their channel ids). Puts wait for `commit`, and what it takes is kept in
+    `taken` (a ChannelStore snapshot), so a run that fails can be undone."""
 
     def __init__(self, rows: torch.Tensor, members: list[tuple[Program, set[int]]], channels: ChannelStore) -> None:
         self.rows, self.channels, self.passes = rows, channels, len(members)
-        self.owned = [owned for _, owned in members]
         first = members[0][0].slots
         self.bound = {cid: [program.slots[i] for program, _ in members] for i, cid in enumerate(first)}
+        if any(cid not in owned for program, owned in members for cid in program.slots):
+            raise LookupError("a pass names a channel that is not its own")   # each pass alone says which
         self.puts: list[tuple[int, torch.Tensor, bool]] = []
+        self.taken: dict[int, list[torch.Tensor]] = {}
 
     def output(self, lane: int, name: str) -> torch.Tensor:
         if (lane, name) != (0, "logits"):
@@ -132,8 +134,7 @@ class PassesEnv:
 
     def take(self, channel: int) -> torch.Tensor:
         cids = self.bound[channel]
-        if any(cid not in owned for cid, owned in zip(cids, self.owned)):
-            raise LookupError(f"channel {channel} is not every pass's own")
+        self.taken.update(self.channels.snapshot(cids))
         return torch.stack([self.channels.take(cid) for cid in cids])
 
     def put(self, channel: int, value: torch.Tensor, per_pass: bool) -> None:
@@ -144,10 +145,6 @@ class PassesEnv:
         failed (its later puts are not made, as when it runs alone)."""
         errors: list[Exception | None] = [None] * self.passes
         for channel, value, per_pass in self.puts:
-            for p, cid in enumerate(self.bound[channel]):
-                if errors[p] is None and cid not in self.owned[p]:
-                    errors[p] = EpilogueError(f"epilogue failed: channel {cid} does not exist (never "
-                                              "created by this inferlet, or freed)")
             going = [p for p in range(self.passes) if errors[p] is None]
             cids = [self.bound[channel][p] for p in going]
             rows = (value[going] if len(going) < self.passes else value) if per_pass else \
@@ -160,13 +157,17 @@ class PassesEnv:
 
 def lanes_program_epilogue(program: Program, channels: ChannelStore, owned: set[int]) -> RowEpilogue:
     """A `lanewise` program run once for the single read-out rows of many passes, each pass's
-    channels its own (its connection's `owned`)."""
+    channels its own (its connection's `owned`); a run that fails gives back what it took."""
     def run(rows: torch.Tensor, members: list[RowEpilogue]) -> list[Any]:
         env = PassesEnv(rows, [m.own for m in members], channels)
-        columns = [value.tolist() for value in program.run_lanes(env)]
+        try:
+            columns = [value.tolist() for value in program.run_lanes(env)]
+        except Exception:
+            channels.restore(env.taken)
+            raise
         errors = env.commit()
-        return [error or list(outputs) for error, outputs in zip(errors, zip(*columns) if columns else
-                                                                  [()] * len(members))]
+        outputs = list(zip(*columns)) or [()] * len(members)
+        return [error or list(out) for error, out in zip(errors, outputs)]
     return RowEpilogue(program.lane_key, run, (program, owned))
 
 

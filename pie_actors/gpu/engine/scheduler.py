@@ -109,7 +109,7 @@ class RowEpilogue:
     `run(rows, members)` takes their rows [passes, vocab] and every pass's RowEpilogue (`own` is
     what is that pass's own: its channels) and gives each pass's result in order, or an
     exception for a pass whose own part failed. A pass's own `epilogue` must give the same result
-    alone; if `run` raises, each pass runs its own."""
+    alone; a `run` that raises has changed nothing, and each pass runs its own."""
 
     key: Any
     run: Callable[[torch.Tensor, list["RowEpilogue"]], list[Any]]
