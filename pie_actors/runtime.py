@@ -257,9 +257,7 @@ class _Cluster:
         from . import controller
 
         self.config = config
-        self.started_ray = not ray.is_initialized()
-        if self.started_ray:
-            _init_ray(address)
+        self.started_ray = start_ray(address)
         self.controller = controller.connect(config.pool_size)
         try:
             # a cluster started for this runtime ends with it: its engine is a one-shot's
@@ -424,12 +422,20 @@ def cluster_address(address: str | None = None) -> str | None:
     return found
 
 
-def _init_ray(address: str | None) -> None:
+def start_ray(address: str | None = None) -> bool:
+    """Join the Ray cluster `cluster_address` finds, or start a local one, unless this process
+    is connected already; True when it started or joined one here (the caller's `ray.shutdown`).
+    A local cluster's processes die with the *thread* that starts them (Ray has the kernel kill
+    them when their parent goes, and for the kernel a thread is the parent): start it from one
+    that lives as long as the cluster is needed."""
     import ray
 
     from .controller import NAMESPACE
 
+    if ray.is_initialized():
+        return False
     found = cluster_address(address)
     own = {} if found else {"include_dashboard": False}    # none running: a local one, for this runtime
     ray.init(address=found or "local", **own, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR",
              configure_logging=False)
+    return True

@@ -96,3 +96,23 @@ def test_pie_serve_without_keys_says_it_is_open(default_model_dir):
     finally:
         process.terminate()
         process.wait(60)
+
+
+def test_pie_serve_keeps_the_ray_cluster_it_starts(default_model_dir):
+    """Without --local and with no cluster running, pie serve starts a Ray cluster of its own. Its
+    processes die with the thread that starts them: started by the engine's loader thread, they
+    were gone as soon as the engine had loaded, and every request after that failed."""
+    env = {**os.environ, "PIE_API_KEYS": KEY, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("RAY_ADDRESS", None)
+    process = _pie("--port", "0", "--model", str(default_model_dir), "--dtype", "float32", "--compile", "off",
+                   env=env)
+    try:
+        url = _line(process, "pie serve: http").split()[2]
+        _line(process, "pie serve: the engine is loaded")
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        for _ in range(2):                            # the second one after the first's actor went back
+            reply = client.chat.completions.create(model="default", messages=ASK, max_tokens=16, temperature=0)
+            assert "Paris" in reply.choices[0].message.content
+    finally:
+        process.terminate()
+        process.wait(60)

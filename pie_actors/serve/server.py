@@ -71,6 +71,7 @@ class Server:
         self._loaded = threading.Event()
         self._uvicorn = None
         self._threads: list[threading.Thread] = []
+        self._started_ray = False
 
     # ---- life ---------------------------------------------------------------------------------
 
@@ -88,6 +89,11 @@ class Server:
         if not self.api_keys:
             log.warning("pie serve: no API keys: single-user mode, open to anyone who can reach %s (set --api-key, "
                         "serve.api_keys in the config, or PIE_API_KEYS)", self.url)
+        if not self.local:
+            # here, not in the loader thread: a Ray cluster started for this server dies with the
+            # thread that starts it (`start_ray`)
+            from ..runtime import start_ray
+            self._started_ray = start_ray(self.address)
         self._spawn(self._listen, "pie-serve-http")
         self._spawn(self._load, "pie-serve-load")
         deadline = time.monotonic() + 30
@@ -120,6 +126,10 @@ class Server:
         runtime, self.serving.runtime, self.serving.endpoints = self.serving.runtime, None, None
         if runtime is not None:
             runtime.close()
+        if self._started_ray:
+            import ray
+            ray.shutdown()
+            self._started_ray = False
 
     def __enter__(self) -> Server:
         self.start()
