@@ -2,7 +2,8 @@
 same weights, and the engine's own batched decode, in one run.
 
     python bench/serve.py [--concurrency 1,4,16,32] [--tokens 64] [--systems serve,llamacpp,engine]
-                          [--dtype bfloat16] [--compile auto] [--threads N] [--quick] [--out bench/RESULTS.md]
+                          [--dtype bfloat16] [--compile auto] [--threads N] [--cluster] [--quick]
+                          [--out bench/RESULTS.md]
 
 At each concurrency C, C clients (the async `openai` client, chat.completions with stream=True, in a
 process of their own) send requests back to back, each a short chat of its own, until 2C requests (at
@@ -19,13 +20,16 @@ measured one after the other, so a ratio in one run compares figures taken minut
             CPUs with AVX2 or better: a first start on a machine compiles a graph per batch bucket up
             to the largest C, minutes each on 2 cores, and later starts compile again (RESULTS.md,
             "Compiled engine start");
-            `--compile off` starts in seconds, on the eager engine)
+            `--compile off` starts in seconds, on the eager engine). It runs in this process, as
+            `pie serve --local` does; with `--cluster`, on a Ray cluster of its own, as `pie serve`
+            does by default: the engine in its actor, each request an inferlet actor
   llamacpp  llama-cpp-python's server (`python -m llama_cpp.server`) on an F16 GGUF of the same
             weights (gguf_variants.py), as many threads as the engine. It runs one request at a
             time; it starts with `--interrupt_requests False` so that a new request waits instead of
             cutting the running one
-  engine    `engine.generate` of the same prompts on the served engine, C at a time, greedy: the
-            batched decode with no HTTP, no sandbox and no program in between
+  engine    `engine.generate` of the same prompts on the served engine (with `--cluster`, an engine of
+            the same settings in this process), C at a time, greedy: the batched decode with no HTTP,
+            no sandbox and no program in between
 
 Equal work: greedy, every reply exactly `--tokens` tokens (`ignore_eos` for pie serve, `min_tokens`
 for llama.cpp, whose repeat penalty, on by default in its API, is turned off), prompts rendered by the
@@ -60,7 +64,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -195,13 +199,22 @@ def llama_cpp_server(gguf: Path, threads: int) -> Iterator[str]:
         log.close()
 
 
-def engine_snapshot(engine: Any) -> tuple[Counter, Counter]:
-    return Counter(engine.decode_batch_sizes), Counter(engine.step_seconds)
+def engine_counts(engine: Any) -> Callable[[], dict[str, Any]]:
+    """The figures `engine_snapshot` reads, of an Engine in this process."""
+    return lambda: {"decode_batch_sizes": engine.decode_batch_sizes, "step_seconds": engine.step_seconds}
 
 
-def engine_share(engine: Any, before: tuple[Counter, Counter]) -> EngineShare:
+def engine_snapshot(counts: Callable[[], dict[str, Any]]) -> tuple[Counter, Counter]:
+    """The decode batch sizes and step seconds so far, from `counts` (`engine_counts`, or a
+    runtime's `stats` when the engine runs in its own actor)."""
+    figures = counts()
+    return (Counter({int(k): v for k, v in figures["decode_batch_sizes"].items()}),
+            Counter(figures["step_seconds"]))
+
+
+def engine_share(counts: Callable[[], dict[str, Any]], before: tuple[Counter, Counter]) -> EngineShare:
     """The engine's share of the load since `before` (an engine_snapshot)."""
-    batches, seconds = engine_snapshot(engine)
+    batches, seconds = engine_snapshot(counts)
     batches.subtract(before[0])
     seconds.subtract(before[1])
     per_step = {k: 1e3 * v / max(seconds["steps"], 1) for k, v in seconds.items()}
@@ -216,7 +229,8 @@ def engine_load(engine: Any, concurrency: int, requests: int, max_tokens: int, f
     chats = [tok.encode(tok.chat_template.render(messages(i), add_generation_prompt=True))
              for i in range(first_index, first_index + requests)]
     streams: list[Stream] = []
-    before = engine_snapshot(engine)
+    counts = engine_counts(engine)
+    before = engine_snapshot(counts)
     t0 = time.perf_counter()
     for start in range(0, requests, concurrency):
         prompts = chats[start:start + concurrency]
@@ -226,7 +240,7 @@ def engine_load(engine: Any, concurrency: int, requests: int, max_tokens: int, f
                         on_token=lambda lane, _token: times[lane].append(time.perf_counter()))
         streams += [Stream(t[0] - sent, (t[-1] - t[0]) / max(len(t) - 1, 1), len(t)) for t in times]
     wall = time.perf_counter() - t0
-    return Load(streams, wall, engine_share(engine, before))
+    return Load(streams, wall, engine_share(counts, before))
 
 
 # ---- figures ---------------------------------------------------------------------------------------
@@ -308,9 +322,12 @@ def llama_cpp_unavailable() -> str | None:
 class Systems:
     """The systems of one run: `load` measures one of them at one concurrency."""
 
-    def __init__(self, server: Any, llama_url: str | None, max_tokens: int) -> None:
+    def __init__(self, server: Any, engine: Any, llama_url: str | None, max_tokens: int) -> None:
+        """`engine`: the Engine engine.generate runs on (the served one, or one of the same settings
+        in this process when the served one runs in its own actor)."""
         self.max_tokens = max_tokens
-        self.engine = server.runtime.engine
+        self.engine = engine
+        self.serve_counts = engine_counts(engine) if server.local else server.runtime.stats
         # the body fields that make every reply max_tokens long, greedy; llama.cpp's API also has a
         # repeat penalty (1.1 by default) that pie serve's lacks: off, for the same work a token
         self.servers = {"serve": (server.url, {"ignore_eos": True})}
@@ -324,11 +341,11 @@ class Systems:
         if system == "engine":
             return engine_load(self.engine, concurrency, requests, self.max_tokens, first_index)
         url, extra = self.servers[system]
-        before = engine_snapshot(self.engine)
+        before = engine_snapshot(self.serve_counts)
         # llama.cpp's server answers any model name with the one model it serves
         load = self.clients.submit(drive, url, "default", concurrency, requests, self.max_tokens, extra,
                                    first_index).result()
-        return Load(load.streams, load.wall, engine_share(self.engine, before) if system == "serve" else None)
+        return Load(load.streams, load.wall, engine_share(self.serve_counts, before) if system == "serve" else None)
 
     def usage(self, system: str) -> tuple[int, int]:
         """(prompt, completion) tokens of one unstreamed reply, as the server counts them."""
@@ -354,6 +371,10 @@ def main() -> None:
                     help="the engine's compiled decode (pie serve's default: auto, on for this CPU when it has AVX2)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="CPU threads of the engine and of llama.cpp (default: every core)")
+    ap.add_argument("--cluster", action="store_true",
+                    help="pie serve on a Ray cluster of its own (what `pie serve` runs without --local: the "
+                         "engine in its actor, each request an inferlet actor from a warm pool of C+2), with "
+                         "engine.generate on an engine of the same settings in this process")
     ap.add_argument("--quick", action="store_true", help="32 tokens, C requests a level (at least 4): a smoke run")
     add_output_options(ap, "pie serve under load")
     args = ap.parse_args()
@@ -364,6 +385,8 @@ def main() -> None:
     def requests(c: int) -> int:
         return max(c, 4) if args.quick else max(2 * c, 8)
 
+    from pie_actors.config import load
+    from pie_actors.gpu.engine import Engine
     from pie_actors.serve import Server
 
     # a kill (a timeout's TERM) unwinds like Ctrl-C, so that no llama.cpp server or clients are left
@@ -377,20 +400,27 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         started = time.perf_counter()
         # compile only the decode buckets this run can fill (each takes minutes to compile on 2 cores)
-        server = Server(MODEL, port=0, dtype=args.dtype, compile=args.compile, compile_max_batch=max(levels),
-                        num_threads=args.threads)
+        settings = dict(dtype=args.dtype, compile=args.compile, compile_max_batch=max(levels), num_threads=args.threads)
+        cluster = {"local": False, "pool_size": max(levels) + 2} if args.cluster else {}
+        server = Server(MODEL, port=0, **cluster, **settings)
         stack.callback(server.close)
         server.start().wait_ready(SERVE_START_S)
         print(f"pie serve ready in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+        engine = server.runtime.engine if server.local else Engine.from_config(load(model=MODEL, **settings).engine,
+                                                                               long_lived=True)
+        if not server.local:
+            stack.callback(engine.close)
         llama_url = (stack.enter_context(llama_cpp_server(variant("F16"), args.threads))
                      if "llamacpp" in measured else None)
-        bench = Systems(server, llama_url, max_tokens)
+        bench = Systems(server, engine, llama_url, max_tokens)
         stack.callback(bench.close)
         dtype = str(bench.engine.worker.dtype).removeprefix("torch.")
         compiled = "compiled decode" if bench.engine.worker.compiled is not None else "eager decode"
         usage = {s: bench.usage(s) for s in bench.servers if s in measured}
-        for system in measured:                   # warm-up: connections, the sandbox, the clients' process
-            bench.load(system, 2, 2, 1)
+        # warm-up: connections, the sandbox, the clients' process; on a cluster, each pooled actor's first run
+        warm = max(levels) if args.cluster else 2
+        for system in measured:
+            bench.load(system, warm, warm, 1)
         load_before = os.getloadavg()[0]
         index = 1000                              # every request a chat of its own, across levels
         for c in levels:
@@ -410,7 +440,9 @@ def main() -> None:
 
     llama = f", llama-cpp-python {metadata.version('llama-cpp-python')} F16 GGUF" if llama_url else ""
     counted = "; ".join(f"{s} {p}+{n}" for s, (p, n) in usage.items())
-    env = (f"SmolLM2-135M-Instruct, {args.threads} thread{'s' if args.threads > 1 else ''}; pie serve and engine.generate {dtype}, {compiled}{llama}; "
+    where = "on a Ray cluster of its own, engine.generate in the driver" if args.cluster else "in one process"
+    env = (f"SmolLM2-135M-Instruct, {args.threads} thread{'s' if args.threads > 1 else ''}; pie serve {where}; "
+           f"pie serve and engine.generate {dtype}, {compiled}{llama}; "
            f"{max_tokens} completion tokens a request, greedy; requests a level: "
            f"{', '.join(f'{requests(c)} at C={c}' for c in levels)}; one unstreamed reply's usage "
            f"(prompt+completion tokens): {counted}; 1-min load average {load_before:.1f} before the "
