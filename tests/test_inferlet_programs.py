@@ -34,7 +34,14 @@ async def main(input):
             "prefix": chat.prefix(), "stop": chat.stop_tokens(),
             "model": [model.name(), model.architecture(), model.output_vocab_size(), model.kv_page_size(),
                       model.frame_size(), model.channel_capacity(), model.run_ahead_window()],
-            "round": model.decode(model.encode("héllo wörld"))}
+            "round": model.decode(model.encode("héllo wörld")),
+            "piece": model.decode(model.encode(" héllo wörld"), after=2), "bad_after": bad_after()}
+
+def bad_after():
+    try:
+        model.decode([1, 2], after=3)
+    except Exception as e:
+        return str(e)
 """
     out = run(runtime, source, {"a": "You are terse.", "b": QUESTION})
     render = tok.chat_template.render
@@ -49,6 +56,9 @@ async def main(input):
     assert out["model"] == ["smollm2-135m-instruct", "llama", 49152, 16, FRAME_SIZE, RunLimits.channel_capacity,
                             RunLimits.run_ahead_window]
     assert out["round"] == "héllo wörld"
+    ids = tok.encode(" héllo wörld")
+    assert out["piece"] == tok.decode(ids)[len(tok.decode(ids[:2])):] and out["piece"]
+    assert "after=3 is not a count of the 2 ids" in out["bad_after"]
     # the default system message SmolLM2's template inserts never leaks into a user turn
     assert tok.decode(ChatTokens(tok).user("hi")) == "<|im_start|>user\nhi<|im_end|>\n"
 

@@ -33,10 +33,16 @@ class ModelOps:
             raise HostOpError("model.encode takes a string")
         return self.run.tok.encode(text)
 
-    def decode(self, tokens: Any) -> str:
+    def decode(self, args: Any) -> str:
+        """The text of a list of ids, or of {"tokens", "after"}: the text after the first `after`
+        ids' text."""
+        tokens, after = (args.get("tokens"), args.get("after")) if isinstance(args, dict) else (args, 0)
         if not isinstance(tokens, list) or any(type(t) is not int for t in tokens):
             raise HostOpError("model.decode takes a list of token ids")
+        if type(after) is not int or not 0 <= after <= len(tokens):
+            raise HostOpError(f"model.decode: after={after!r} is not a count of the {len(tokens)} ids")
         try:
-            return self.run.tok.decode(tokens)
+            text = self.run.tok.decode(tokens)
+            return text[len(self.run.tok.decode(tokens[:after])):] if after else text
         except ValueError as e:
             raise HostOpError(str(e)) from None

@@ -351,12 +351,11 @@ class Detokenizer:
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
-        before = model.decode(self.tokens[self.start:self.done])
-        text = model.decode(self.tokens[self.start:])
-        if text.endswith("\ufffd") and not final:
+        piece = model.decode(self.tokens[self.start:], after=self.done - self.start)
+        if piece.endswith("\ufffd") and not final:
             return ""
         self.start, self.done = self.done, len(self.tokens)
-        return text[len(before):]
+        return piece
 
 
 class Gate:

@@ -26,9 +26,12 @@ def encode(text: str) -> list[int]:
     return _host.call("model.encode", str(text))
 
 
-def decode(tokens) -> str:
-    """Text of token ids."""
-    return _host.call("model.decode", [int(t) for t in tokens])
+def decode(tokens, after: int = 0) -> str:
+    """Text of token ids. With `after`, the text that follows the first `after` ids' own text: a
+    streamed piece decoded in the context of the ids before it (spaces and merged characters
+    come out right), in one host call."""
+    ids = [int(t) for t in tokens]
+    return _host.call("model.decode", {"tokens": ids, "after": int(after)} if after else ids)
 
 
 def name() -> str:
