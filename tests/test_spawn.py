@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from inferlet_helpers import on_a_cluster, pages_return, reachable
-from pie_actors import InferletError, Runtime
+from pie_actors import Done, InferletError, Runtime
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 COMPLETION = (EXAMPLES / "completion" / "main.py").read_text()
@@ -197,7 +197,9 @@ def test_the_debate_example_runs_its_rounds_by_messages(runtime):
     then the judge's verdict; the agents kept their working sets across rounds."""
     process = runtime.launch(EXAMPLES / "agents" / "debate", {"rounds": 3, "max_tokens": 6}, name="debate")
     rounds = [e for e in process.events(timeout=300)]
-    out = rounds.pop().output
+    last = rounds.pop()
+    assert isinstance(last, Done), last
+    out = last.output
     assert [json.loads(e.text)["round"] for e in rounds] == [1, 2, 3]
     assert out["agents"] == {s: f"debate/{s}" for s in ("for", "against", "undecided")}
     assert [(t["round"], t["stance"]) for t in out["transcript"]] == \
