@@ -64,7 +64,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -199,22 +199,22 @@ def llama_cpp_server(gguf: Path, threads: int) -> Iterator[str]:
         log.close()
 
 
-def engine_counts(engine: Any) -> Callable[[], dict[str, Any]]:
-    """The figures `engine_snapshot` reads, of an Engine in this process."""
-    return lambda: {"decode_batch_sizes": engine.decode_batch_sizes, "step_seconds": engine.step_seconds}
+def engine_stats(engine: Any) -> dict[str, Any]:
+    """The figures of an Engine in this process that `engine_snapshot` reads, as a runtime's
+    `stats()` gives them."""
+    return {"decode_batch_sizes": engine.decode_batch_sizes, "step_seconds": engine.step_seconds}
 
 
-def engine_snapshot(counts: Callable[[], dict[str, Any]]) -> tuple[Counter, Counter]:
-    """The decode batch sizes and step seconds so far, from `counts` (`engine_counts`, or a
-    runtime's `stats` when the engine runs in its own actor)."""
-    figures = counts()
-    return (Counter({int(k): v for k, v in figures["decode_batch_sizes"].items()}),
-            Counter(figures["step_seconds"]))
+def engine_snapshot(stats: dict[str, Any]) -> tuple[Counter, Counter]:
+    """The decode batch sizes and step seconds so far, from `stats` (`engine_stats`, or a runtime's
+    `stats()`, wherever its engine runs)."""
+    return (Counter({int(k): v for k, v in stats["decode_batch_sizes"].items()}),
+            Counter(stats["step_seconds"]))
 
 
-def engine_share(counts: Callable[[], dict[str, Any]], before: tuple[Counter, Counter]) -> EngineShare:
+def engine_share(stats: dict[str, Any], before: tuple[Counter, Counter]) -> EngineShare:
     """The engine's share of the load since `before` (an engine_snapshot)."""
-    batches, seconds = engine_snapshot(counts)
+    batches, seconds = engine_snapshot(stats)
     batches.subtract(before[0])
     seconds.subtract(before[1])
     per_step = {k: 1e3 * v / max(seconds["steps"], 1) for k, v in seconds.items()}
@@ -229,8 +229,7 @@ def engine_load(engine: Any, concurrency: int, requests: int, max_tokens: int, f
     chats = [tok.encode(tok.chat_template.render(messages(i), add_generation_prompt=True))
              for i in range(first_index, first_index + requests)]
     streams: list[Stream] = []
-    counts = engine_counts(engine)
-    before = engine_snapshot(counts)
+    before = engine_snapshot(engine_stats(engine))
     t0 = time.perf_counter()
     for start in range(0, requests, concurrency):
         prompts = chats[start:start + concurrency]
@@ -240,7 +239,7 @@ def engine_load(engine: Any, concurrency: int, requests: int, max_tokens: int, f
                         on_token=lambda lane, _token: times[lane].append(time.perf_counter()))
         streams += [Stream(t[0] - sent, (t[-1] - t[0]) / max(len(t) - 1, 1), len(t)) for t in times]
     wall = time.perf_counter() - t0
-    return Load(streams, wall, engine_share(counts, before))
+    return Load(streams, wall, engine_share(engine_stats(engine), before))
 
 
 # ---- figures ---------------------------------------------------------------------------------------
@@ -326,8 +325,7 @@ class Systems:
         """`engine`: the Engine engine.generate runs on (the served one, or one of the same settings
         in this process when the served one runs in its own actor)."""
         self.max_tokens = max_tokens
-        self.engine = engine
-        self.serve_counts = engine_counts(engine) if server.local else server.runtime.stats
+        self.engine, self.runtime = engine, server.runtime
         # the body fields that make every reply max_tokens long, greedy; llama.cpp's API also has a
         # repeat penalty (1.1 by default) that pie serve's lacks: off, for the same work a token
         self.servers = {"serve": (server.url, {"ignore_eos": True})}
@@ -341,11 +339,11 @@ class Systems:
         if system == "engine":
             return engine_load(self.engine, concurrency, requests, self.max_tokens, first_index)
         url, extra = self.servers[system]
-        before = engine_snapshot(self.serve_counts)
+        before = engine_snapshot(self.runtime.stats())
         # llama.cpp's server answers any model name with the one model it serves
         load = self.clients.submit(drive, url, "default", concurrency, requests, self.max_tokens, extra,
                                    first_index).result()
-        return Load(load.streams, load.wall, engine_share(self.serve_counts, before) if system == "serve" else None)
+        return Load(load.streams, load.wall, engine_share(self.runtime.stats(), before) if system == "serve" else None)
 
     def usage(self, system: str) -> tuple[int, int]:
         """(prompt, completion) tokens of one unstreamed reply, as the server counts them."""
@@ -406,10 +404,11 @@ def main() -> None:
         stack.callback(server.close)
         server.start().wait_ready(SERVE_START_S)
         print(f"pie serve ready in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-        engine = server.runtime.engine if server.local else Engine.from_config(load(model=MODEL, **settings).engine,
-                                                                               long_lived=True)
-        if not server.local:
+        if args.cluster:                          # the served engine runs in its actor: one like it here
+            engine = Engine.from_config(load(model=MODEL, **settings).engine, long_lived=True)
             stack.callback(engine.close)
+        else:
+            engine = server.runtime.engine
         llama_url = (stack.enter_context(llama_cpp_server(variant("F16"), args.threads))
                      if "llamacpp" in measured else None)
         bench = Systems(server, engine, llama_url, max_tokens)
