@@ -38,7 +38,8 @@ from pie_actors.gpu.engine.actor import start_engine_actor
 from pie_actors.inferlet.engine_client import EngineClient
 from pie_actors.model_store import resolve_model
 
-ENGINE = dict(device="cpu", dtype="float32", num_pages=2048, num_threads=1)
+# eager in both paths: the engine actor is long-lived, so compile "auto" would compile it alone
+ENGINE = dict(device="cpu", dtype="float32", num_pages=2048, num_threads=1, compile="off")
 VOCAB = 512          # dummy-small's
 PROMPT_LEN = 4
 ARGMAX = SIMPLE_EPILOGUES["argmax"]
@@ -200,7 +201,7 @@ def main() -> None:
     finally:
         ray.shutdown()
     env = (f"{platform.machine()}, {os.cpu_count()} cores, Ray {ray.__version__}, uvloop {uvloop.__version__}; "
-           f"{args.model} model (2 layers, hidden 64), float32, 1 torch thread per engine; {args.passes} passes per "
+           f"{args.model} model (2 layers, hidden 64), float32, eager, 1 torch thread per engine; {args.passes} passes per "
            f"client, median of {args.repeats}; 1-min load average {load_before:.1f} before, "
            f"{os.getloadavg()[0]:.1f} after")
     report = table(results, args.passes) + "\n\n" + parts_table(parts) + "\n"
