@@ -22,6 +22,7 @@ import uuid
 from typing import Any
 
 from .config import EngineConfig
+from .placement import FirstPassChoice
 from .replicas import ENGINE_WAIT_S, EngineGone, Replicas, ask_named
 from .gpu.engine.wire import EngineAddress
 
@@ -113,10 +114,11 @@ class Controller:
         """Start a process of `model` (whose engine `engine` started) for `owner`: {"process": its
         (owner, name), "actor": a warm InferletActor, or with `node` (a node id or IP) a new one on
         that node (the pool is node-agnostic), "engine": the address of the replica it uses (on
-        the actor's node, else the one caching most of `prefix`, the first pass's tokens when
-        known, else the least loaded)}. The caller runs `actor.run.remote(..., <that address>,
-        process=<that key>, controller=<this actor>)`. An engine that died and did not come back
-        is an EngineGone."""
+        the actor's node, else the one caching most of `prefix`, the first pass's tokens, else the
+        least loaded), or, when no replica runs on the actor's node and `prefix` is not given, a
+        FirstPassChoice: the process's first pass asks `choose` with its tokens}. The caller runs
+        `actor.run.remote(..., <that engine>, process=<that key>, controller=<this actor>)`. An
+        engine that died and did not come back is an EngineGone."""
         if name is not None and (owner, name) in self.processes:
             raise ValueError(f"a process named {name!r} is already running")
         if model not in self.engines:
@@ -126,13 +128,22 @@ class Controller:
             name = f"inferlet-{next(self._numbers)}"
         actor = self.acquire() if node is None else _actor_on(node)
         replicas = self.engines[model]
+        at = self._node_of(actor) if len(replicas.replicas) > 1 else None
         try:
-            replica = replicas.choose(self._node_of(actor) if len(replicas.replicas) > 1 else None, prefix, owner)
+            if at is not None and prefix is None and not replicas.on(at):
+                engine: EngineAddress | FirstPassChoice = FirstPassChoice(model, replicas.info())
+            else:
+                engine = replicas.choose(at, prefix, owner).address
         except EngineGone:
             self.release(actor)
             raise
         self.processes[owner, name] = {"actor": actor, "model": model, "started": time.time()}
-        return {"process": (owner, name), "actor": actor, "engine": replica.address}
+        return {"process": (owner, name), "actor": actor, "engine": engine}
+
+    def choose(self, model: str, node: str | None, prefix: list[int] | None, owner: str | None) -> EngineAddress:
+        """The address of the replica of `model` for a process of `owner` on `node` whose first
+        pass starts with `prefix` (a process launched with a FirstPassChoice asks at that pass)."""
+        return self.engines[model].choose(node, prefix, owner).address
 
     def _node_of(self, actor: Any) -> str | None:
         """The node of an inferlet actor (asked once; None if it died)."""

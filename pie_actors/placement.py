@@ -7,7 +7,8 @@ asks for nothing (num_cpus=0: a 2-core node would otherwise fit two actors in al
 
 `choose_replica` picks the replica of a model a new process connects to: the one on the process's
 own node, else the one whose prefix cache holds the longest prefix of its first pass's tokens,
-else the least loaded (fewest live sequences).
+else the least loaded (fewest live sequences). A process with no replica on its node is launched
+with a `FirstPassChoice` in place of an address: its first pass makes the choice, by its tokens.
 """
 from __future__ import annotations
 
@@ -56,6 +57,15 @@ def replica_nodes(nodes: list[dict[str, Any]], resources: EngineResources, repli
     fit = sorted(n["NodeID"] for n in nodes if n.get("Alive")
                  and all(n.get("Resources", {}).get(k, 0) >= v for k, v in need.items()))
     return [fit[i % len(fit)] if fit else None for i in range(replicas)]
+
+
+@dataclass(frozen=True)
+class FirstPassChoice:
+    """What a process is launched with in place of its engine's address when its replica is chosen
+    at its first pass (`Controller.choose`): the model, and its engines' `info` (wire.Info)."""
+
+    model: str
+    info: dict[str, Any]
 
 
 @dataclass

@@ -40,6 +40,7 @@ class Replicas:
 
     def __init__(self, config: EngineConfig, replicas: list[Replica]) -> None:
         self.config, self.replicas = config, replicas
+        self._info: dict[str, Any] | None = None
 
     @classmethod
     def start(cls, config: EngineConfig, long_lived: bool = True) -> Replicas:
@@ -73,6 +74,18 @@ class Replicas:
     def first(self) -> Replica:
         return self.replicas[0]
 
+    def on(self, node: str | None) -> bool:
+        """Whether a replica runs on `node`."""
+        return any(r.node == node for r in self.replicas)
+
+    def info(self) -> dict[str, Any]:
+        """The model's engine `info` (wire.Info: the same on every replica), asked once."""
+        import ray
+
+        if self._info is None:
+            self._info = ray.get(self.first.actor.info.remote(), timeout=ENGINE_WAIT_S)
+        return self._info
+
     def choose(self, node: str | None, prefix: list[int] | None = None, owner: str | None = None) -> Replica:
         """The replica for a new process of `owner` on `node` whose first pass starts with `prefix`
         (when known), its address and node refreshed: a restarted engine serves on a new port,
@@ -87,7 +100,7 @@ class Replicas:
 
     def _pick(self, node: str | None, prefix: list[int] | None, owner: str | None) -> tuple[Replica, str]:
         replicas = self.replicas
-        if any(r.node == node for r in replicas):
+        if self.on(node):
             index, reason = choose_replica([ReplicaView(r.node) for r in replicas], node)
             return replicas[index], reason
         # only the replicas that answer now: one restarting, or on a lost node, is passed over

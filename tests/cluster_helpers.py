@@ -45,6 +45,40 @@ async def main(input):
     session.send("ready")
     return {"got": await session.receive()}
 """
+# GREEDY's tokens, decoded on the engine (run_ahead): its channels and epilogue are made before its
+# first pass, so a run whose engine that pass chooses sends them only then
+FED = """
+from inferlet.eta import (Channel, ForwardPass, Pipeline, StateGeometry, WorkingSet, dtype, intrinsics,
+                          reduce_argmax, reshape)
+
+async def main(input):
+    ws, pipe, tokens, n = WorkingSet(), Pipeline(), [], input["n"]
+    token_in, token_out = Channel([1], dtype.i32), Channel([1], dtype.i32).capacity(8)
+
+    def pick():
+        chosen = reshape(reduce_argmax(intrinsics.output(0, "logits")), [1])
+        token_in.put(chosen)
+        token_out.put(chosen)
+
+    first = ForwardPass()
+    first.embed(list(input["prompt"]))
+    first.state([ws], StateGeometry.folding())
+    first.epilogue(pick)
+    pipe.submit(first)
+    tokens.append(await token_out.take_scalar())
+    step = ForwardPass()
+    step.embed(token_in, Channel.from_([0, 1], dtype.u32))
+    step.state([ws], StateGeometry.folding())
+    step.epilogue(pick)
+
+    async def on_token():
+        tokens.append(await token_out.take_scalar())
+        return len(tokens) < n
+
+    await pipe.run_ahead(step, n - 1, on_token)
+    pipe.close()
+    return {"tokens": tokens}
+"""
 DUMMY = dict(model="dummy", device="cpu", dtype="float32", compile="off", num_pages=256, num_threads=1)
 
 

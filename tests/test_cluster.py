@@ -12,7 +12,7 @@ from pie_actors import Runtime
 from pie_actors.controller import NAMESPACE
 from pie_actors.gpu.engine import Engine
 from pie_actors.replicas import ENGINE_PREFIX
-from tests.cluster_helpers import DUMMY, GREEDY, WAITER, two_nodes, until
+from tests.cluster_helpers import DUMMY, FED, GREEDY, WAITER, two_nodes, until
 
 DUMMY = {**DUMMY, "num_pages": 64}
 
@@ -81,10 +81,12 @@ def test_a_process_on_one_node_drives_the_engine_on_the_other_exactly(nodes, def
         direct.close()
 
 
-def test_without_a_local_replica_the_prefix_then_the_least_loaded_one_is_chosen(nodes, cluster):
+def test_without_a_local_replica_the_first_pass_chooses_by_prefix_then_by_load(nodes, cluster):
+    """Replicas on nodes a and b; node c, added later, has none. A process on c is launched with
+    its engine not chosen: its first pass chooses the replica caching most of that pass's tokens,
+    else the one with fewer live sequences, and then drives that replica alone, with the channels
+    and epilogue it made before that pass (the same tokens as greedy decoding on a)."""
     cluster = cluster[0]
-    """Replicas on nodes a and b; node c, added later, has none. A process on c goes to the replica
-    caching most of its first pass, else to the one with fewer live sequences."""
     with Runtime.connect(replicas=2, **DUMMY) as runtime:
         replicas = runtime.stats()["replicas"]
         on_a = next(i for i, r in enumerate(replicas) if r["node"] == nodes["a"])
@@ -99,15 +101,19 @@ def test_without_a_local_replica_the_prefix_then_the_least_loaded_one_is_chosen(
             assert next(iter(waiter.events())).text == "ready"          # it holds a working set on a's
             lighter = runtime.launch(GREEDY, {"prompt": [7, 8, 9], "n": 2}, node=c)
             assert len(lighter.result(timeout=120)["tokens"]) == 2
-            controller = ray.get_actor("pie_controller", namespace=NAMESPACE)
-            launched = ray.get(controller.launch.remote("dummy", None, None, c, prompt))
-            ray.get(controller.finished.remote(launched["process"]))
+            before = [s["requests"] for s in ray.get([e.stats.remote() for e in engines])]
+            follower = runtime.launch(FED, {"prompt": prompt, "n": 6}, node=c).result(timeout=120)["tokens"]
+            after = [s["requests"] for s in ray.get([e.stats.remote() for e in engines])]
             waiter.send("go")
             assert waiter.result(timeout=60)["got"] == "go"
+            greedy = runtime.launch(GREEDY, {"prompt": prompt, "n": 6}, node=nodes["a"]).result(timeout=120)
+            assert follower == greedy["tokens"]
             chosen = [c - b for c, b in zip(_chosen(runtime), chosen_before)]
-            assert chosen[on_a] == {"local": 1, "prefix": 1}          # a's holds the waiter's pages
+            assert chosen[on_a] == {"local": 2, "prefix": 1}          # a's holds the waiter's pages
             assert chosen[1 - on_a] == {"least_loaded": 1}            # the idle one, not a's (busy)
-            assert tuple(launched["engine"][:2]) == tuple(replicas[on_a]["address"])
+            a_engine = next(i for i, e in enumerate(engines) if ray.get(e.node.remote()) == nodes["a"])
+            assert after[1 - a_engine] == before[1 - a_engine]         # the follower never reached b's
+            assert after[a_engine] - before[a_engine] >= 3             # its requests went to a's
             until(lambda: _referenced(engines) == start)
         finally:
             cluster.remove_node(node_c)

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import queue
 import threading
+from functools import partial
 from typing import Any, Iterator
 
 from ..config import RunLimits
 from ..gpu.engine.wire import EngineAddress
+from ..placement import FirstPassChoice
 from ..process import Done, Event, Failed
 from ..program import Program
 from .peers import DELIVERED, FULL, GONE, ClusterPeers
 from .run import Run, sandbox_for
+from .run_state import EngineChoice
 
 
 class InferletActor:
@@ -44,20 +47,23 @@ class InferletActor:
         its processes after it restarts)."""
         import ray
         with self._lock:
-            engine = None if self._run is None else tuple(self._run.engine_address[:2])
+            engine = None if self._run is None else self._run.engine
             return ray.get_runtime_context().get_node_id(), self._process, engine
 
-    def run(self, program: Program, input: Any, engine_address: EngineAddress, limits: RunLimits, *,
+    def run(self, program: Program, input: Any, engine_address: EngineAddress | FirstPassChoice, limits: RunLimits, *,
             files: dict[str, bytes] | None = None, process: Any = None,
             controller: Any = None) -> Iterator[Event]:
         """The events of one run of `program`, ending with its Done or Failed (the actor stays
         usable). With a `controller`, the run is the process `process` ((owner, name)):
-        `session.send_to` reaches the owner's other processes, and the actor hands itself back to
-        the Controller at the end."""
+        `session.send_to` reaches the owner's other processes, the Controller chooses the engine
+        at the first pass when the launch left it to that (a FirstPassChoice), and the actor hands
+        itself back to the Controller at the end."""
         events: queue.Queue[Event] = queue.Queue()
         peers = None if controller is None else ClusterPeers(controller, *process)
-        run = Run(program, input, engine_address, limits, events.put, files=files, peers=peers,
-                  owner=None if process is None else process[0])
+        owner = None if process is None else process[0]
+        if isinstance(engine_address, FirstPassChoice):
+            engine_address = EngineChoice(engine_address.info, partial(_choose, controller, engine_address.model, owner))
+        run = Run(program, input, engine_address, limits, events.put, files=files, peers=peers, owner=owner)
         with self._lock:
             self._process, self._run = process, run
         try:
@@ -99,6 +105,13 @@ class InferletActor:
         if run is not None:
             run.cancel(reason)
         return run is not None
+
+
+def _choose(controller: Any, model: str, owner: str | None, prefix: list[int] | None, timeout: float) -> EngineAddress:
+    """The Controller's choice of `model`'s replica for a first pass on this node starting with `prefix`."""
+    import ray
+    node = ray.get_runtime_context().get_node_id()
+    return ray.get(controller.choose.remote(model, node, prefix, owner), timeout=timeout)
 
 
 def inferlet_actor(**options: Any):

@@ -3,13 +3,17 @@
 It receives the run's `RunState`: the engine connection (`client`, on the loop thread `loop`),
 `wait` for blocking calls, and `futures` / `complete` for the guest's asynchronous results.
 
-- Working-set handles are the run's own small integers, mapped to engine sequences. Saved working
-  sets (`ws.save`, `ws.open`) are named in the scope of the run's `owner`, which the guest cannot
-  choose.
-- Epilogues and prologues are eta programs: the guest's traced IR is registered with the engine
-  (compiled once per engine by IR hash) and named by the engine's program id.
-- Channel handles are the engine's channel ids. A channel the guest reads with `take_scalar` is
-  subscribed: the engine pushes every value put into it, so reading a token costs no request.
+- Handles of working sets, programs and channels are the run's own small integers, mapped to the
+  engine's sequences, program ids and channel ids. Saved working sets (`ws.save`, `ws.open`) are
+  named in the scope of the run's `owner`, which the guest cannot choose.
+- Epilogues and prologues are eta programs: the guest's traced IR, its channels renamed to the
+  engine's, is registered with the engine (compiled once per engine by IR hash).
+- A channel the guest reads with `take_scalar` is subscribed: the engine pushes every value put
+  into it, so reading a token costs no request.
+- A run whose engine is chosen at its first pass (run_state.EngineChoice) keeps the working sets,
+  channels, channel puts and programs it makes before that pass as steps, and sends them once the
+  pass has chosen (`_client`): the pass's first fresh working set's tokens are the prefix the
+  replica is chosen by. Any other engine operation chooses by load alone.
 - Passes are written to the engine in submission order (`RunState.post` is FIFO and
   `EngineClient.start_pass` writes without awaiting); a repeating pass (`run_ahead`) stays on the
   engine, which runs it up to `window` times ahead of the reads the guest acknowledged.
@@ -20,11 +24,11 @@ import itertools
 import json
 import threading
 from collections import Counter
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
-from .engine_client import EngineError
+from .engine_client import EngineClient, EngineError
 from .host import HostOpError, Inbox
-from .run_state import RunState
+from .run_state import CONNECT_TIMEOUT_S, RunState
 
 __all__ = ["EtaOps"]
 
@@ -52,19 +56,25 @@ def _scalar(value: Any) -> Any:
 class EtaOps:
     def __init__(self, run: RunState, owner: str | None = None) -> None:
         self.run, self.owner = run, owner
-        self._ws: dict[int, int] = {}                     # working-set handle -> engine sequence
+        self._ws: dict[int, int | None] = {}              # working-set handle -> engine sequence
         self._ws_ids = itertools.count(1)
         self._busy: Counter[int] = Counter()              # working-set handle -> passes not finished
         self._dropped: set[int] = set()                   # handles the guest dropped while busy
         self._busy_cond = threading.Condition()
-        self._programs: dict[str, int] = {}               # IR text -> engine program id
-        self._puts: dict[int, set[int]] = {}              # program id -> channels it puts into
-        self._channels: dict[int, Inbox] = {}             # subscribed channel -> the values pushed
+        self._programs: dict[str, int] = {}               # IR text -> program handle
+        self._pids: list[int | None] = [None]             # program handle -> engine program id
+        self._puts: dict[int, set[int]] = {}              # program handle -> engine channels it puts into
+        self._chan: dict[int, int | None] = {}            # channel handle -> engine channel id
+        self._chan_ids = itertools.count(1)
+        self._channels: dict[int, Inbox] = {}             # subscribed engine channel -> the values pushed
         self._runs: dict[int, int] = {}                   # run-ahead handle -> its pass request id
         self._run_ids = itertools.count(1)
         self._in_flight = 0                               # passes sent and not finished
         self._told_idle = False                           # the engine knows we wait on something else
-        run.client.on_push = self._on_push
+        # what was made before the engine was chosen, sent in order once it is (`_client`)
+        self._steps: list[Callable[[EngineClient], Awaitable[None]]] = []
+        self._lost_steps = ""                              # why they were not all sent, if so
+        run.on_push = self._on_push
 
     def ops(self) -> dict[str, Callable[[Any], Any]]:
         return {
@@ -77,25 +87,70 @@ class EtaOps:
             "chan.take": self.chan_take, "chan.take_scalar": self.chan_take_scalar, "chan.free": self.chan_free,
         }
 
+    # ---- the engine, chosen late ----------------------------------------------------------------
+
+    def _client(self, prefix: list[int] | None = None) -> EngineClient:
+        """The engine connection. A run whose engine is not chosen yet chooses it now (by `prefix`,
+        the first pass's tokens, when known) and sends what it made meanwhile first."""
+        if self.run.bound:
+            return self.run.client
+        client = self.run.bind(prefix)
+        steps, self._steps = self._steps, []
+
+        async def replay() -> None:
+            for step in steps:
+                await step(client)
+        try:
+            self.run.wait(replay(), CONNECT_TIMEOUT_S)
+        except HostOpError as e:
+            self._lost_steps = f"what the run made before its engine was chosen was refused: {e}"
+            raise HostOpError(self._lost_steps) from None
+        return client
+
+    def _engine_id(self, ids: dict[int, int | None], handle: int, what: str) -> int:
+        """`ids[handle]`, the engine's id of the `what` the run calls `handle`; one made before the
+        engine was chosen makes the choice now."""
+        if ids[handle] is None:
+            self._client()
+        if ids[handle] is None:
+            raise HostOpError(f"{what} {handle} was not made: {self._lost_steps}")
+        return ids[handle]
+
+    def _now_or_later(self, step: Callable[[EngineClient], Awaitable[None]]) -> None:
+        """Run `step` on the engine now, or, before the engine is chosen, once it is."""
+        if self.run.bound:
+            self.run.wait(step(self.run.client))
+        else:
+            self._steps.append(step)
+
     # ---- working sets -------------------------------------------------------------------------
 
     def _seq(self, handle: Any) -> int:
-        seq = self._ws.get(handle) if type(handle) is int else None
-        if seq is None:
+        if type(handle) is not int or handle not in self._ws:
             raise HostOpError(f"unknown working set {handle!r}")
-        return seq
+        return self._engine_id(self._ws, handle, "working set")
 
-    def _new_ws(self, seq: int) -> int:
+    def _new_ws(self, seq: int | None) -> int:
         handle = next(self._ws_ids)
         self._ws[handle] = seq
         return handle
 
     def ws_create(self, args: Any) -> int:
-        return self._new_ws(self.run.wait(self.run.client.create()))
+        handle = self._new_ws(None)
+
+        async def create(client: EngineClient) -> None:
+            if handle in self._ws:                         # not freed meanwhile
+                self._ws[handle] = await client.create()
+        try:
+            self._now_or_later(create)
+        except HostOpError:
+            del self._ws[handle]
+            raise
+        return handle
 
     def ws_fork(self, handle: Any) -> int:
         """A child sharing the prefix the parent has once its passes submitted so far have run."""
-        return self._new_ws(self.run.wait(self.run.client.fork(self._settled(handle, "fork"))))
+        return self._new_ws(self.run.wait(self._client().fork(self._settled(handle, "fork"))))
 
     def _settled(self, handle: Any, what: str) -> int:
         """The working set's sequence, once the passes submitted on it so far have run."""
@@ -111,18 +166,19 @@ class EtaOps:
         """[handle, name]: keep the working set's frozen prefix, as it is once its passes ran, under
         `name` beyond this run; returns its number of tokens."""
         handle, name = args
-        return self.run.wait(self.run.client.save(self._settled(handle, "save"), name, self.owner))
+        seq = self._settled(handle, "save")
+        return self.run.wait(self.run.client.save(seq, name, self.owner))
 
     def ws_open(self, name: Any) -> dict[str, Any]:
         """A new working set holding the saved set `name`: {"ws", "restored", "tokens"}."""
-        opened = self.run.wait(self.run.client.open(name, self.owner))
+        opened = self.run.wait(self._client().open(name, self.owner))
         return {"ws": self._new_ws(opened["seq"]), "restored": opened["restored"], "tokens": opened["tokens"]}
 
     def ws_saved(self, args: Any) -> list[dict]:
-        return self.run.wait(self.run.client.saved(self.owner))
+        return self.run.wait(self._client().saved(self.owner))
 
     def ws_delete_saved(self, name: Any) -> None:
-        self.run.wait(self.run.client.delete_saved(name, self.owner))
+        self.run.wait(self._client().delete_saved(name, self.owner))
 
     def ws_free(self, handles: Any) -> None:
         """The guest dropped these working sets: free each once its passes have run."""
@@ -132,7 +188,10 @@ class EtaOps:
             idle = [h for h in handles if h in self._ws and not self._busy[h]]
             self._dropped.update(h for h in handles if h in self._ws and self._busy[h])
         for handle in idle:
-            self.run.post(self._free_now, handle)
+            if self._ws[handle] is None:          # never sent to the engine
+                del self._ws[handle]
+            else:
+                self.run.post(self._free_now, handle)
 
     def _free_now(self, handle: int) -> None:
         # loop thread, FIFO after every pass already submitted on it
@@ -158,29 +217,59 @@ class EtaOps:
         """The guest blocks with no pass in flight: it waits on a message, a tool, a timer or its
         client, so the engine's next batch must not wait for it (once per such wait)."""
         with self._busy_cond:
-            if self._in_flight or self._told_idle:
+            if self._in_flight or self._told_idle or not self.run.bound:
                 return
             self._told_idle = True
         self.run.post(self.run.client.idle)
 
     def ws_state(self, handle: Any) -> dict:
-        return self.run.wait(self.run.client.state(self._seq(handle)))
+        seq = self._seq(handle)
+        return self.run.wait(self.run.client.state(seq))
 
     def ws_reserve(self, args: Any) -> None:
         handle, end = args
-        self.run.wait(self.run.client.reserve(self._seq(handle), end))
+        seq = self._seq(handle)
+        self.run.wait(self.run.client.reserve(seq, end))
 
     # ---- programs and passes ------------------------------------------------------------------
 
     def program(self, ir_text: Any) -> int:
-        """Register a traced epilogue/prologue; errors in it are reported here, at trace time."""
+        """Register a traced epilogue/prologue; errors in it are reported here, at trace time (or,
+        before the engine is chosen, by the pass that chooses it)."""
         if not isinstance(ir_text, str):
             raise HostOpError("eta.program takes the IR as JSON text")
-        pid = self._programs.get(ir_text)
+        handle = self._programs.get(ir_text)
+        if handle is None:
+            handle = len(self._pids)
+            self._pids.append(None)
+
+            async def register(client: EngineClient) -> None:
+                engine_ir, self._puts[handle] = self._engine_ir(ir_text)
+                self._pids[handle] = await client.program(engine_ir)
+            self._now_or_later(register)
+            self._programs[ir_text] = handle
+        return handle
+
+    def _engine_ir(self, ir_text: str) -> tuple[str, set[int]]:
+        """The IR with its channels named by the engine's ids, and the engine channels it puts
+        into. IR the engine cannot read goes to it as it is: the engine says what is wrong."""
+        try:
+            ir = json.loads(ir_text)
+            ops = [op for op in ir["ops"] if op[0] in ("take", "put")]
+        except (ValueError, TypeError, KeyError, IndexError):
+            return ir_text, set()
+        for op in ops:
+            op[1][0] = self._engine_chan(op[1][0])
+        return json.dumps(ir), {op[1][0] for op in ops if op[0] == "put"}
+
+    def _engine_pid(self, handle: Any) -> int | None:
+        if handle is None:
+            return None
+        if type(handle) is not int or not 0 < handle < len(self._pids):
+            raise HostOpError(f"unknown program {handle!r} (register it with eta.program)")
+        pid = self._pids[handle]
         if pid is None:
-            pid = self._programs[ir_text] = self.run.wait(self.run.client.program(ir_text))
-            ops = json.loads(ir_text).get("ops", [])
-            self._puts[pid] = {op[1][0] for op in ops if op[0] == "put"}
+            raise HostOpError(f"program {handle} was not registered: {self._lost_steps}")
         return pid
 
     def _pass_fields(self, args: Any) -> tuple[dict[str, Any], list[int]]:
@@ -189,6 +278,9 @@ class EtaOps:
         lanes_in = args.get("lanes") if isinstance(args, dict) else None
         if not isinstance(lanes_in, list) or not lanes_in:
             raise HostOpError("a pass needs at least one lane")
+        if not self.run.bound:       # the run's first pass; its working sets are all new
+            tokens = lanes_in[0].get("tokens") if isinstance(lanes_in[0], dict) else None
+            self._client(tokens if isinstance(tokens, list) and tokens else None)
         lanes = []
         for i, lane in enumerate(lanes_in):
             if not isinstance(lane, dict) or lane.keys() - _LANE_KEYS:
@@ -196,12 +288,17 @@ class EtaOps:
             spec = {k: v for k, v in lane.items() if k not in ("ws", "chan")}
             spec["seq"] = self._seq(lane.get("ws"))
             if lane.get("chan") is not None:
-                spec["tokens_from"] = lane["chan"]
+                spec["tokens_from"] = self._engine_chan(lane["chan"])
             lanes.append(spec)
-        pid = args.get("epilogue")
+        pid = self._engine_pid(args.get("epilogue"))
+        adapters = args.get("adapters") or None
+        if adapters is not None:
+            if not isinstance(adapters, list) or not all(isinstance(a, list) and len(a) == 2 for a in adapters):
+                raise HostOpError("adapters must be a list of [site, program id] pairs")
+            adapters = [[site, self._engine_pid(program)] for site, program in adapters]
         fields: dict[str, Any] = {
             "lanes": lanes, "epilogue": {"kind": "argmax"} if pid is None else {"kind": "program", "id": pid},
-            "prologue": args.get("prologue"), "adapters": args.get("adapters") or None}
+            "prologue": self._engine_pid(args.get("prologue")), "adapters": adapters}
         return fields, [lane["ws"] for lane in lanes_in]
 
     def submit(self, args: Any) -> int:
@@ -294,46 +391,73 @@ class EtaOps:
 
     # ---- channels -----------------------------------------------------------------------------
 
+    def _known_chan(self, handle: Any) -> int | None:
+        """The engine id of channel `handle`, None while it waits for the engine to be chosen."""
+        if type(handle) is not int or handle not in self._chan:
+            raise HostOpError(f"channel {handle!r} does not exist (never created by this run, or freed)")
+        return self._chan[handle]
+
+    def _engine_chan(self, handle: Any) -> int:
+        self._known_chan(handle)
+        return self._engine_id(self._chan, handle, "channel")
+
     def chan_create(self, args: Any) -> int:
         if not isinstance(args, dict):
             raise HostOpError("chan.create takes {shape, dtype, capacity, values}")
-        return self.run.wait(self.run.client.chan_create(args.get("shape"), args.get("dtype"),
-                                                         args.get("capacity", 1), args.get("values")))
+        fields = (args.get("shape"), args.get("dtype"), args.get("capacity", 1), args.get("values"))
+        handle = next(self._chan_ids)
+        self._chan[handle] = None
+
+        async def create(client: EngineClient) -> None:
+            if handle in self._chan:                       # not freed meanwhile
+                self._chan[handle] = await client.chan_create(*fields)
+        try:
+            self._now_or_later(create)
+        except HostOpError:
+            del self._chan[handle]
+            raise
+        return handle
 
     def chan_put(self, args: Any) -> None:
-        cid, value = args
-        self._writable(cid)
-        self.run.wait(self.run.client.chan_put(cid, value))
+        handle, value = args
+        self._put(handle, lambda client, cid: client.chan_put(cid, value))
 
     def chan_put_bits(self, args: Any) -> None:
         """A bool value sent as packed int32 words (bit i % 32 of word i // 32 = element i)."""
-        cid, words, n = args
-        self._writable(cid)
-        self.run.wait(self.run.client.chan_put_bits(cid, words, n))
+        handle, words, n = args
+        self._put(handle, lambda client, cid: client.chan_put_bits(cid, words, n))
 
-    def _writable(self, cid: Any) -> None:
-        if cid in self._channels:
-            raise HostOpError(f"channel {cid} is read by the host (take_scalar); the host cannot put into it")
+    def _put(self, handle: Any, put: Callable[[EngineClient, int], Awaitable[None]]) -> None:
+        if self._known_chan(handle) in self._channels:
+            raise HostOpError(f"channel {handle} is read by the host (take_scalar); the host cannot put into it")
 
-    def chan_take(self, cid: Any) -> Any:
+        async def step(client: EngineClient) -> None:
+            if handle in self._chan:                       # not freed meanwhile
+                await put(client, self._engine_chan(handle))
+        self._now_or_later(step)
+
+    def chan_take(self, handle: Any) -> Any:
+        cid = self._engine_chan(handle)
         inbox = self._channels.get(cid)
         if inbox is None:
             return self.run.wait(self.run.client.chan_take(cid))
         try:
             return inbox.take()
         except LookupError:
-            raise HostOpError(f"channel {cid} is empty (await take_scalar() waits for a value)") from None
+            raise HostOpError(f"channel {handle} is empty (await take_scalar() waits for a value)") from None
 
-    def chan_take_scalar(self, cid: Any) -> dict[str, Any]:
+    def chan_take_scalar(self, handle: Any) -> dict[str, Any]:
         """{"value": v} when the channel's next value has arrived, else {"future": id} of it (the
         channel is subscribed on first use). A run-ahead loop reads mostly values that are there
         already: one host call a token instead of a call and a wait."""
+        cid = self._chan.get(handle) if type(handle) is int else None
         inbox = self._channels.get(cid)
         if inbox is not None:
             try:
                 return {"value": _scalar(inbox.take())}
             except LookupError:
                 return {"future": inbox.receive()}
+        cid = self._engine_chan(handle)
         inbox = self._channels[cid] = Inbox(self.run.futures, convert=_scalar)
         fid = inbox.receive()
         try:
@@ -349,10 +473,13 @@ class EtaOps:
         if inbox is None:
             return
         if "error" in message:
-            inbox.fail(f"channel {message['chan']} is poisoned by a failed pass: {message['error']}")
+            inbox.fail(f"the channel is poisoned by a failed pass: {message['error']}")
         else:
             inbox.put(message.get("value"))
 
-    def chan_free(self, cid: Any) -> None:
-        self._channels.pop(cid, None)
-        self.run.wait(self.run.client.chan_free(cid))
+    def chan_free(self, handle: Any) -> None:
+        cid = self._known_chan(handle)
+        del self._chan[handle]
+        if cid is not None:
+            self._channels.pop(cid, None)
+            self.run.wait(self.run.client.chan_free(cid))

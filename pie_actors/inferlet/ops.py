@@ -28,7 +28,7 @@ from .host import HostApi, InferletError
 from .http_ops import HttpOps
 from .model_ops import ModelOps
 from .peers import Peers
-from .run_state import RunState
+from .run_state import EngineChoice, RunState
 from .session_ops import SessionOps
 from .spawn_ops import SpawnOps
 from .structured_ops import GrammarOps, HandleTable, ReasoningOps, ToolOps
@@ -57,12 +57,13 @@ def op_table(*glues: HostGlue) -> dict[str, HostOp]:
 
 
 class InferletHost(HostApi):
-    """Host operations of one inferlet run, connected to the engine at `engine_address`, for a
-    process of `owner` (the scope of its saved working sets) that reaches the owner's other processes
-    through `peers` (its messages and children; None: a run with no process name). `program`: what
-    runs (children may be modules of its bundle)."""
+    """Host operations of one inferlet run, connected to the engine at `engine_address` (or to the
+    replica an EngineChoice makes at the run's first pass), for a process of `owner` (the scope of
+    its saved working sets) that reaches the owner's other processes through `peers` (its messages
+    and children; None: a run with no process name). `program`: what runs (children may be modules
+    of its bundle)."""
 
-    def __init__(self, engine_address: EngineAddress, *, limits: RunLimits, emit: Callable[[Event], None],
+    def __init__(self, engine_address: EngineAddress | EngineChoice, *, limits: RunLimits, emit: Callable[[Event], None],
                  files: dict[str, bytes] | None = None,
                  peers: Peers | None = None, owner: str | None = None, program: Program | None = None) -> None:
         super().__init__()

@@ -20,6 +20,7 @@ from .build import bundle_modules, cache_dir, fits_runner
 from .host import HostOpError, InferletError, Sandbox
 from .ops import InferletHost
 from .peers import Peers
+from .run_state import EngineChoice
 
 __all__ = ["Run", "sandbox_for"]
 
@@ -58,12 +59,13 @@ def _unpack(files: dict[str, str], key: str):
 
 
 class Run:
-    """One run of `program` on `input` against the engine at `engine_address`; everything it
+    """One run of `program` on `input` against the engine at `engine_address` (or the replica an
+    EngineChoice makes at its first pass); everything it
     streams, and how it ends, goes to `emit`. `owner`: whose process it is (the scope of the working
     sets it saves and opens). `deliver`, `deliver_file` and `cancel` may be called
     from any thread at any time: what arrives before the run's host exists waits for it."""
 
-    def __init__(self, program: Program, input: Any, engine_address: EngineAddress, limits: RunLimits,
+    def __init__(self, program: Program, input: Any, engine_address: EngineAddress | EngineChoice, limits: RunLimits,
                  emit: Callable[[Event], None], *, files: dict[str, bytes] | None = None,
                  peers: Peers | None = None, owner: str | None = None) -> None:
         self.program, self.input, self.engine_address = program, input, engine_address
@@ -76,6 +78,15 @@ class Run:
         self._cancelled: str | None = None
         self._restartable = False      # it declared so, and its engine connection was lost
         self._tokens = 0               # what it cost the engine (RunState.tokens), once it ended
+
+    @property
+    def engine(self) -> tuple[str, int] | None:
+        """(host, port) of the engine the run uses (None: not chosen yet)."""
+        with self._lock:
+            host = self._host
+        if host is not None:
+            return host.state.address
+        return None if isinstance(self.engine_address, EngineChoice) else tuple(self.engine_address[:2])
 
     def start(self) -> threading.Thread:
         """Run on a thread of its own."""
@@ -114,7 +125,7 @@ class Run:
             modules = bundle_modules(bundle) if bundle is not None and sandbox.is_runner else None
             return sandbox.run(self.program.source, self.input, host, limits=self.limits, bundle=modules)
         finally:
-            self._restartable = host.state.restartable and host.state.client.lost_engine
+            self._restartable = host.state.restartable and host.state.lost_engine
             self._tokens = host.state.tokens
             with self._lock:
                 self._host = None

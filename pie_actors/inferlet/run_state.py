@@ -5,6 +5,11 @@ creates is freed when it closes, however the run ends), the run's `FutureTable`,
 `info`, the run's limits and deadline, where its Send / File events go, and the model's tokenizer
 and chat pieces. Nothing else is shared between the glue classes.
 
+A run is given its engine's address, or an `EngineChoice`: the model's engine replicas are chosen
+between at the run's first pass (`bind`), by the tokens it starts with (the replica caching most of
+them), so the run connects only then. Until then the glue classes keep what they create for the
+engine (eta_ops.py).
+
 Host time is not guest time: the sandbox's deadline stops guest code, not a host operation that
 waits. So every wait of a host operation has a bound of its own and ends by the run's deadline too
 (`time_left`); past the deadline the run ends as a timeout.
@@ -15,6 +20,7 @@ import asyncio
 import concurrent.futures
 import threading
 import time
+from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import TYPE_CHECKING, Any, Callable, Coroutine
 
@@ -28,11 +34,21 @@ from .host import FutureTable, HostOpError, InferletError
 if TYPE_CHECKING:
     from ..tokenizer import Tokenizer
 
-__all__ = ["RunState", "CONNECT_TIMEOUT_S", "HOST_WAIT_S"]
+__all__ = ["RunState", "EngineChoice", "CONNECT_TIMEOUT_S", "HOST_WAIT_S"]
 
 CONNECT_TIMEOUT_S = 30.0
 CLOSE_TIMEOUT_S = 10.0
 HOST_WAIT_S = 30.0          # the longest a host operation waits for an engine reply
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    """An engine not chosen yet: the model's `info` (the same on each of its replicas) and
+    `choose(prefix, timeout)`, the address of the replica for a run whose first pass starts with
+    the tokens `prefix` (None: not known)."""
+
+    info: wire.Info
+    choose: Callable[[list[int] | None, float], wire.EngineAddress]
 
 
 def _run_all(calls: list[Callable[[], None]]) -> None:
@@ -50,9 +66,9 @@ def _tokenizer(model_dir: str) -> Tokenizer:
 class RunState:
     """The state of one run that several host interfaces need; `close()` ends its connection."""
 
-    def __init__(self, engine_address: wire.EngineAddress, *, futures: FutureTable, limits: RunLimits,
+    def __init__(self, engine: wire.EngineAddress | EngineChoice, *, futures: FutureTable, limits: RunLimits,
                  emit: Callable[[Event], None], owner: str | None = None) -> None:
-        self.futures, self.limits, self.emit = futures, limits, emit
+        self.futures, self.limits, self.emit, self.owner = futures, limits, emit, owner
         self.deadline = time.monotonic() + limits.timeout_s     # the run's, as the sandbox counts it
         self._posted: list[Callable[[], None]] = []    # for the loop thread, not yet handed over
         self._posted_lock = threading.Lock()
@@ -62,16 +78,60 @@ class RunState:
         self._closed = False
         self.restartable = False     # runtime.declare_restartable: may run again if its engine is lost
         self.tokens = 0              # what the run cost the engine (`close` reads it), its ended children's too
+        self.client: EngineClient | None = None         # None until `bind`, with an EngineChoice
+        self.on_push: Callable[[dict], None] | None = None   # engine pushes (eta_ops.py)
+        self._choice = engine if isinstance(engine, EngineChoice) else None
         try:
-            self.client: EngineClient = self._wait(
-                EngineClient.connect(*engine_address, owner=owner, kv_pages=limits.kv_pages), CONNECT_TIMEOUT_S)
-            self.info: wire.Info = self._wait(self.client.info(), CONNECT_TIMEOUT_S)
+            if self._choice is None:
+                self._connect(engine)
+                self.info: wire.Info = self._wait(self.client.info(), CONNECT_TIMEOUT_S)
+            else:
+                self.info = self._choice.info
         except BaseException:
             self._stop_loop()
             raise
         self._tok: Tokenizer | None = None
 
     # -- the engine connection ------------------------------------------------------------------
+
+    @property
+    def bound(self) -> bool:
+        """Whether the run is connected to its engine."""
+        return self.client is not None
+
+    def bind(self, prefix: list[int] | None = None) -> EngineClient:
+        """The engine connection; with an EngineChoice not yet made, choose the replica for a
+        first pass starting with `prefix` now and connect to it. Raises HostOpError when no
+        replica can be chosen or reached."""
+        if self.client is None:
+            try:
+                address = self._choice.choose(prefix, self.time_left(CONNECT_TIMEOUT_S))
+                self._connect(address)
+            except (HostOpError, InferletError):
+                raise
+            except Exception as e:       # the Controller or the engine is not there
+                raise HostOpError(f"cannot reach an engine of {self.info['model']!r}: {type(e).__name__}: {e}") from None
+        return self.client
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """(host, port) of the engine the run is connected to (None: not chosen yet)."""
+        return None if self.client is None else self.client.address
+
+    @property
+    def lost_engine(self) -> bool:
+        """Whether the run's engine connection ended from the engine's side."""
+        return self.client is not None and self.client.lost_engine
+
+    def _connect(self, address: wire.EngineAddress) -> None:
+        client = self._wait(EngineClient.connect(*address, owner=self.owner, kv_pages=self.limits.kv_pages),
+                            CONNECT_TIMEOUT_S)
+        client.on_push = self._push
+        self.client = client
+
+    def _push(self, message: dict) -> None:
+        if self.on_push is not None:
+            self.on_push(message)
 
     def post(self, fn: Callable[..., None], *args: Any) -> None:
         """Run `fn(*args)` on the loop thread, after everything posted before it, once the guest
@@ -128,6 +188,9 @@ class RunState:
         if self._closed:
             return
         self._closed = True
+        if self.client is None:       # never connected: nothing ran for the run
+            self._stop_loop()
+            return
         try:
             try:
                 self.tokens += self._wait(self.client.usage(), CLOSE_TIMEOUT_S)
