@@ -6,6 +6,10 @@ from there by later runs, so a warm run of this file takes a few seconds.
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -15,7 +19,7 @@ import pytest
 
 from pie_actors.config import RunLimits
 from pie_actors.inferlet import build as build_mod
-from pie_actors.inferlet import HostApi, InferletError, Sandbox, build_bundle
+from pie_actors.inferlet import HostApi, InferletError, Sandbox, build_bundle, wasm_imports
 from pie_actors.inferlet.build import bundle_modules, fits_runner
 
 LIMITS = RunLimits(timeout_s=30, memory_mb=256)
@@ -164,6 +168,50 @@ async def main(input):
 """
     out, _ = run_ok(sandbox, source)
     assert "no-such-op" in out["error"] and "unknown host operation" in out["error"]
+
+
+# every import and value kind of the host interface: empty and non-ASCII strings both ways, an
+# error result, poll, a wait-any with a timeout (u32) and without, and send
+EVERY_IMPORT = """
+import asyncio
+from inferlet import _host, HostError, session
+from wit_world.imports import host as _wit
+
+async def main(input):
+    session.send("")
+    session.send("é∑🙂 " * 3)
+    out = {"echo": _host.call("echo", {"": "", "ü": ["日本", 1.5]}), "poll": _wit.poll("[]"),
+           "timeout": _wit.wait_any("[]", 1)}
+    try:
+        _host.call("no-such-op", "")
+    except HostError as e:
+        out["error"] = str(e)
+    out["slept"] = await _host.call_async("sleep", {"ms": 1, "value": "ö"})
+    return out
+"""
+SAME_RUN_GENERIC = """
+import json, sys
+from tests.test_sandbox import EVERY_IMPORT, FakeHost
+from pie_actors.inferlet import Sandbox, wasm_imports
+assert not wasm_imports.DIRECT
+api = FakeHost()
+print(json.dumps([Sandbox().run(EVERY_IMPORT, {}, api), api.sent]))
+"""
+
+
+def test_the_direct_import_glue_converts_as_wasmtime_py_does(sandbox):
+    """wasm_imports registers the host imports with the C API (the default); the same run through
+    wasmtime-py's generic add_func (PIE_WASM_IMPORTS=generic, in a fresh process) gives the same."""
+    assert wasm_imports.DIRECT
+    out, api = run_ok(sandbox, EVERY_IMPORT)
+    assert out["echo"] == {"": "", "ü": ["日本", 1.5]} and out["poll"] == "{}" and out["timeout"] == "{}"
+    assert "unknown host operation" in out["error"] and out["slept"] == "ö"
+    assert api.sent == ["", "é∑🙂 " * 3]
+    generic = subprocess.run([sys.executable, "-c", SAME_RUN_GENERIC], capture_output=True, text=True,
+                             env={**os.environ, "PIE_WASM_IMPORTS": "generic"}, cwd=Path(__file__).parent.parent,
+                             timeout=120)
+    assert generic.returncode == 0, generic.stderr
+    assert json.loads(generic.stdout.strip().splitlines()[-1]) == [out, api.sent]
 
 
 def test_random_is_seeded_per_run(sandbox):

@@ -420,6 +420,8 @@ class Sandbox:
         import wasmtime
         from wasmtime.component import Component, Linker
 
+        from .wasm_imports import RESULT, STRING, U32, add_func
+
         self._wasmtime = wasmtime
         self.engine = engine or new_engine()
         self.limits = limits or RunLimits()
@@ -435,10 +437,10 @@ class Sandbox:
         self.linker.add_wasip2()
         with self.linker.root() as root:
             with root.add_instance(HOST_INTERFACE) as host:
-                host.add_func("call", self._import(_call))
-                host.add_func("poll", self._import(_poll))
-                host.add_func("wait-any", self._import(_wait_any))
-                host.add_func("send", self._import(_send))
+                add_func(host, "call", self._import(_call), (STRING, STRING), RESULT)
+                add_func(host, "poll", self._import(_poll), (STRING,), STRING)
+                add_func(host, "wait-any", self._import(_wait_any), (STRING, U32), STRING)
+                add_func(host, "send", self._import(_send), (STRING,), None)
 
     @property
     def from_cache(self) -> bool:
