@@ -26,7 +26,7 @@ DIRECT = os.environ.get("PIE_WASM_IMPORTS", "direct") != "generic"
 
 STRING, U32, RESULT = "string", "u32", "result<string, string>"
 
-_funcs: dict[int, tuple[Callable[..., Any], tuple[str, ...], str | None]] = {}   # id -> (func, params, result)
+_funcs: dict[int, tuple[Callable[..., Any], tuple[str, ...], str | None]] = {}
 _next_id = iter(range(1, 1 << 62))
 
 
@@ -78,7 +78,15 @@ def _callback(env, context, func_type, args, nargs, results, nresults):
 
 @ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 def _finalize(env):
-    _funcs.pop(env or 0, None)
+    funcs = _funcs           # None once the interpreter, shutting down, has cleared this module
+    if funcs is not None:
+        funcs.pop(env or 0, None)
+
+
+# wasmtime holds only the callbacks' C addresses, and may drop a linker (calling `_finalize`) during
+# interpreter shutdown, after this module's objects are gone: keep both for good
+for _thunk in (_callback, _finalize):
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_thunk))
 
 
 def add_func(instance: LinkerInstance, name: str, func: Callable[..., Any], params: tuple[str, ...],
