@@ -12,8 +12,8 @@ It receives the run's `RunState`: the engine connection (`client`, on the loop t
   into it, so reading a token costs no request.
 - A run whose engine is chosen at its first pass (run_state.EngineChoice) keeps the working sets,
   channels, channel puts and programs it makes before that pass as steps, and sends them once the
-  pass has chosen (`_client`): the pass's first fresh working set's tokens are the prefix the
-  replica is chosen by. Any other engine operation chooses by load alone.
+  pass has chosen (`_client`): the tokens of that pass's first lane are the prefix the replica is
+  chosen by. Any other engine operation before it chooses by load alone.
 - Passes are written to the engine in submission order (`RunState.post` is FIFO and
   `EngineClient.start_pass` writes without awaiting); a repeating pass (`run_ahead`) stays on the
   engine, which runs it up to `window` times ahead of the reads the guest acknowledged.

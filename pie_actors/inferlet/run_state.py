@@ -5,9 +5,9 @@ creates is freed when it closes, however the run ends), the run's `FutureTable`,
 `info`, the run's limits and deadline, where its Send / File events go, and the model's tokenizer
 and chat pieces. Nothing else is shared between the glue classes.
 
-A run is given its engine's address, or an `EngineChoice`: the model's engine replicas are chosen
-between at the run's first pass (`bind`), by the tokens it starts with (the replica caching most of
-them), so the run connects only then. Until then the glue classes keep what they create for the
+A run is given its engine's address, or an `EngineChoice`: one of the model's engine replicas is
+chosen at the run's first pass (`bind`), by the tokens it starts with (the replica caching most of
+them), and the run connects only then. Until then the glue classes keep what they make for the
 engine (eta_ops.py).
 
 Host time is not guest time: the sandbox's deadline stops guest code, not a host operation that
