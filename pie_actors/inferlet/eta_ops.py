@@ -256,10 +256,10 @@ class EtaOps:
         try:
             ir = json.loads(ir_text)
             ops = [op for op in ir["ops"] if op[0] in ("take", "put")]
+            for op in ops:
+                op[1][0] = self._engine_chan(op[1][0])
         except (ValueError, TypeError, KeyError, IndexError):
             return ir_text, set()
-        for op in ops:
-            op[1][0] = self._engine_chan(op[1][0])
         return json.dumps(ir), {op[1][0] for op in ops if op[0] == "put"}
 
     def _engine_pid(self, handle: Any) -> int | None:

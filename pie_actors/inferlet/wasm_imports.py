@@ -13,6 +13,7 @@ the comparison in bench/RESULTS.md and for a wasmtime-py whose internals this mo
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 from ctypes import byref
 from typing import Any, Callable
@@ -27,7 +28,7 @@ DIRECT = os.environ.get("PIE_WASM_IMPORTS", "direct") != "generic"
 STRING, U32, RESULT = "string", "u32", "result<string, string>"
 
 _funcs: dict[int, tuple[Callable[..., Any], tuple[str, ...], str | None]] = {}
-_next_id = iter(range(1, 1 << 62))
+_next_id = itertools.count(1)
 
 
 def _read(kind: str, value: Any) -> Any:
