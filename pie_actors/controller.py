@@ -57,13 +57,14 @@ class Controller:
 
     def _find_actors(self) -> None:
         """After a restart: the inferlet actors still alive, running a process or idle."""
-        for _, actor, (node, process, engine) in ask_named(INFERLET_PREFIX, "whereabouts"):
+        for _, actor, (node, process, engine, model) in ask_named(INFERLET_PREFIX, "whereabouts"):
             self.nodes[actor._actor_id] = node
             if process is None:
                 self.idle.append(actor)
                 continue
-            model = next((m for m, r in self.engines.items()
-                          if any(tuple(e.address[:2]) == engine for e in r.replicas)), None)
+            if model is None:                 # its engine is chosen: the model is that engine's
+                model = next((m for m, r in self.engines.items()
+                              if any(tuple(e.address[:2]) == engine for e in r.replicas)), None)
             self.processes[tuple(process)] = {"actor": actor, "model": model, "started": time.time()}
 
     def _refill(self) -> None:

@@ -135,6 +135,39 @@ def test_a_killed_controller_restarts_and_finds_its_engines_and_processes(cluste
     assert runtime.launch(GREEDY, {"prompt": [1, 2], "n": 3}).result(timeout=120)["tokens"]
 
 
+# says "ready" before any pass, waits for a message, then runs GREEDY as a child of its own
+SPAWNER = """
+from inferlet import runtime, session
+
+async def main(input):
+    session.send("ready")
+    await session.receive()
+    child = await runtime.spawn(input["child"], {"prompt": input["prompt"], "n": 3})
+    return await child.result()
+"""
+
+
+def test_a_restarted_controller_knows_the_model_of_a_process_before_its_first_pass(cluster):
+    """A process on a node without a replica has its engine chosen at its first pass (a
+    FirstPassChoice). A Controller that restarts before that pass learns its model from its actor,
+    so the child it spawns then runs on that model's engine."""
+    runtime, nodes, c, _ = cluster
+    want = runtime.launch(GREEDY, {"prompt": [4, 5, 6], "n": 3}, node=nodes["a"]).result(timeout=120)
+    node_c = c.add_node(num_cpus=1, resources={"node_c": 1})
+    c.wait_for_nodes()
+    try:
+        on_c = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node_c" in n["Resources"])
+        spawner = runtime.launch(SPAWNER, {"prompt": [4, 5, 6], "child": GREEDY}, node=on_c)
+        assert next(iter(spawner.events(timeout=60))).text == "ready"
+        ray.kill(ray.get_actor(NAME, namespace=NAMESPACE), no_restart=False)
+        until(lambda: _status()["launches"] == 0, timeout=120)
+        assert {p["name"]: p["model"] for p in _status()["processes"]}[spawner.name] == "dummy"
+        spawner.send("go")
+        assert spawner.result(timeout=120) == want
+    finally:
+        c.remove_node(node_c)
+
+
 def test_a_lost_node_fails_its_programs_and_the_other_node_goes_on(cluster):
     runtime, nodes, c, worker = cluster
     engine_a = _engine_on(nodes["a"])

@@ -36,19 +36,21 @@ class InferletActor:
         self._lock = threading.Lock()
         self._process: Any = None          # the (owner, name) of the run in progress
         self._run: Run | None = None
+        self._model: str | None = None     # its model, when its first pass chooses the engine
 
     def ready(self) -> bool:
         """For warm pools: returns once the sandbox is loaded."""
         return True
 
-    def whereabouts(self) -> tuple[str, Any, tuple[str, int] | None]:
-        """(its Ray node, the (owner, name) of the run in progress and the (host, port) of its
-        engine, or None twice): what the Controller asks of its actors (a replica on the same node;
-        its processes after it restarts)."""
+    def whereabouts(self) -> tuple[str, Any, tuple[str, int] | None, str | None]:
+        """(its Ray node, the (owner, name) of the run in progress, the (host, port) of its engine
+        (None: no run, or its first pass has not chosen one yet) and the model of a run whose first
+        pass chooses its engine): what the Controller asks of its actors (a replica on the same
+        node; its processes after it restarts)."""
         import ray
         with self._lock:
             engine = None if self._run is None else self._run.engine
-            return ray.get_runtime_context().get_node_id(), self._process, engine
+            return ray.get_runtime_context().get_node_id(), self._process, engine, self._model
 
     def run(self, program: Program, input: Any, engine_address: EngineAddress | FirstPassChoice, limits: RunLimits, *,
             files: dict[str, bytes] | None = None, process: Any = None,
@@ -61,11 +63,12 @@ class InferletActor:
         events: queue.Queue[Event] = queue.Queue()
         peers = None if controller is None else ClusterPeers(controller, *process)
         owner = None if process is None else process[0]
-        if isinstance(engine_address, FirstPassChoice):
+        model = engine_address.model if isinstance(engine_address, FirstPassChoice) else None
+        if model is not None:
             engine_address = EngineChoice(engine_address.info, partial(_choose, controller, engine_address.model, owner))
         run = Run(program, input, engine_address, limits, events.put, files=files, peers=peers, owner=owner)
         with self._lock:
-            self._process, self._run = process, run
+            self._process, self._run, self._model = process, run, model
         try:
             run.start()
             while True:
@@ -75,7 +78,7 @@ class InferletActor:
                     return
         finally:
             with self._lock:
-                self._process = self._run = None
+                self._process = self._run = self._model = None
             if controller is not None:
                 controller.finished.remote(process)
 
