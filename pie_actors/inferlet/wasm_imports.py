@@ -31,20 +31,35 @@ _funcs: dict[int, tuple[Callable[..., Any], tuple[str, ...], str | None]] = {}
 _next_id = itertools.count(1)
 
 
+def _gil_held(name: str, restype: Any, *argtypes: Any) -> Any:
+    """wasmtime's C function `name`, called without releasing the interpreter lock. wasmtime-py's
+    bindings (and `ctypes.memmove`) release it around every call, and a callback's small
+    allocations take well under a microsecond: releasing the lock there lets another thread (the
+    engine's, busy with Python) take it, and this one then waits for it, up to the interpreter's
+    switch interval, several times a host call."""
+    return ctypes.PYFUNCTYPE(restype, *argtypes)((name, ffi.dll))
+
+
+_byte_vec_new = _gil_held("wasm_byte_vec_new", None, ctypes.POINTER(ffi.wasm_byte_vec_t), ctypes.c_size_t,
+                          ctypes.c_char_p)
+_byte_vec_delete = _gil_held("wasm_byte_vec_delete", None, ctypes.POINTER(ffi.wasm_byte_vec_t))
+_val_new = _gil_held("wasmtime_component_val_new", ctypes.POINTER(ffi.wasmtime_component_val_t),
+                     ctypes.POINTER(ffi.wasmtime_component_val_t))
+
+
 def _read(kind: str, value: Any) -> Any:
     if kind == U32:
         return value.of.u32
     vec = value.of.string
     text = ctypes.string_at(vec.data, vec.size).decode("utf-8")
-    ffi.wasm_byte_vec_delete(byref(vec))
+    _byte_vec_delete(byref(vec))
     return text
 
 
 def _string(slot: Any, text: str) -> None:
     data = text.encode("utf-8")
     vec = ffi.wasm_byte_vec_t()
-    ffi.wasm_byte_vec_new_uninitialized(byref(vec), len(data))
-    ctypes.memmove(vec.data, data, len(data))
+    _byte_vec_new(byref(vec), len(data), data)
     slot.kind = ffi.WASMTIME_COMPONENT_STRING
     slot.of.string = vec
 
@@ -59,7 +74,7 @@ def _write(kind: str, value: Any, slot: Any) -> None:
     _string(payload, value.payload)
     slot.kind = ffi.WASMTIME_COMPONENT_RESULT
     slot.of.result.is_ok = value.tag == "ok"
-    slot.of.result.val = ffi.wasmtime_component_val_new(byref(payload))
+    slot.of.result.val = _val_new(byref(payload))
 
 
 @ffi.wasmtime_component_func_callback_t
