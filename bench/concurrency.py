@@ -1,7 +1,7 @@
 """N programs at once on one engine: what the path programs take costs against the engine's own
 batched decode, run the way users run them.
 
-    python bench/concurrency.py [--clients 1,8,32,64] [--tokens 64] [--paths local,ray]
+    python bench/concurrency.py [--clients 1,8,32,64] [--tokens 64] [--paths local,ray] [--rounds 3]
                                 [--engines eager,compiled] [--dtype auto] [--out bench/RESULTS.md]
 
 For each engine (eager, compiled decode) and path (`Runtime.local`: sandbox, data plane and engine in
@@ -9,17 +9,22 @@ this process; `Runtime.connect`: inferlet actors and an engine actor on a local 
 programs are launched at once, each greedy-decoding `--tokens` tokens of its own ~30-token prompt:
   per-token  one pass per token, as the quickstart decodes (examples/completion_max)
   run-ahead  a device loop, the host reading tokens (examples/run_ahead, stop tokens ignored)
-against `engine.generate` of the same N prompts batched in this process, measured in the same run
-(the Ray rows are compared with it too: same engine settings, same machine). Wall time runs from the
-first launch to the last result; tokens/s = N x tokens / wall time. Per row: the ratio to
-engine.generate, the decode-step histogram (lanes: steps) from the engine's statistics, and, in
-process, the CPU time per token of the program side (the sandboxed guest and its host: the threads
-each run starts) and of the data plane's server thread.
+against `engine.generate` of the same N prompts batched in this process. The two alternate,
+`--rounds` times a row, each round on prompts that neither has seen (so no prefix cache favours
+either), and a row gives the median of the rounds' ratios: the machines are shared, and their speed
+drifts by more than the gaps measured. The Ray rows are compared with the local rounds' median
+engine.generate (same engine settings, same machine). Wall time runs from the first launch to the
+last result; tokens/s = N x tokens / wall time (the median round's). Per row: the decode-step
+histogram (lanes: steps) of the median round from the engine's statistics, and, in process, the CPU
+time per token of the program side (the sandboxed guest and its host: the threads each run starts)
+and of the data plane's server thread.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -36,8 +41,13 @@ STORY = " once upon a time, in a small village by the sea, there lived an old fi
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
+_rounds = itertools.count()
+
+
 def prompts(n: int) -> list[str]:
-    return [f"Story {i}:{STORY}" for i in range(n)]
+    """N prompts no earlier call gave (the prefix cache holds none of them)."""
+    batch = next(_rounds)
+    return [f"Story {batch}.{i}:{STORY}" for i in range(n)]
 
 
 def _task_cpu() -> dict[int, float]:
@@ -58,10 +68,11 @@ def _thread_id(name: str) -> int | None:
 
 def run_batch(runtime: Runtime, program: Program, n: int, tokens: int) -> dict:
     """N programs launched at once; wall time, decode-step histogram and (in process) CPU."""
+    texts = prompts(n)
     before = runtime.stats()["decode_batch_sizes"]
     cpu0, tasks0 = time.process_time(), _task_cpu()
     t0 = time.perf_counter()
-    processes = [runtime.launch(program, {"prompt": p, "max_tokens": tokens}) for p in prompts(n)]
+    processes = [runtime.launch(program, {"prompt": p, "max_tokens": tokens}) for p in texts]
     outputs = [p.result() for p in processes]
     wall = time.perf_counter() - t0
     cpu, tasks = time.process_time() - cpu0, _task_cpu()
@@ -77,9 +88,9 @@ def run_batch(runtime: Runtime, program: Program, n: int, tokens: int) -> dict:
 
 
 def reference(runtime: Runtime, n: int, tokens: int) -> float:
+    """engine.generate's tokens/s on N fresh prompts."""
     engine = runtime.engine
     encoded = [engine.tokenizer.encode(p) for p in prompts(n)]
-    engine.generate(encoded, 2, ignore_eos=True)                   # warm-up (compiled buckets)
     t0 = time.perf_counter()
     engine.generate(encoded, tokens, ignore_eos=True)
     return n * tokens / (time.perf_counter() - t0)
@@ -97,6 +108,7 @@ def main() -> None:
     ap.add_argument("--engines", default="eager,compiled")
     ap.add_argument("--loops", default=",".join(LOOPS))
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--rounds", type=int, default=3, help="generate/programs pairs a row (median)")
     add_output_options(ap, "Programs at once vs engine.generate")
     args = ap.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
@@ -109,35 +121,53 @@ def main() -> None:
         settings = {"dtype": args.dtype, "compile": kind == "compiled"}
         with Runtime.local(**settings) as local:
             dtype = str(local.engine.worker.dtype).removeprefix("torch.")
-            generate = {n: reference(local, n, args.tokens) for n in clients}
             for n in clients:
-                rows.append(f"| {kind} | engine.generate | – | {n} | {generate[n]:.1f} | 1.00 | – | – | – |")
-            if "local" in args.paths:
-                rows += measure(kind, "local", local, loops, clients, args.tokens, generate)
+                local.engine.generate([local.engine.tokenizer.encode(p) for p in prompts(n)], 2,
+                                      ignore_eos=True)                 # warm-up (compiled buckets)
+            generate: dict[int, list[float]] = {n: [] for n in clients}
+            program_rows = measure(kind, "local", local, loops if "local" in args.paths else [], clients,
+                                   args.tokens, args.rounds, generate)
+            if not generate[clients[0]]:                            # no local rows: generate alone
+                generate = {n: [reference(local, n, args.tokens) for _ in range(args.rounds)] for n in clients}
+            for n in clients:
+                rows.append(f"| {kind} | engine.generate | – | {n} | {statistics.median(generate[n]):.1f} "
+                            f"| 1.00 | – | – | – |")
+            rows += program_rows
         if "ray" in args.paths:
             import ray
             ray.init(address="local", include_dashboard=False, log_to_driver=False)
             try:
                 with Runtime.connect(**settings) as cluster:
-                    rows += measure(kind, "ray", cluster, loops, clients, args.tokens, generate)
+                    rows += measure(kind, "ray", cluster, loops, clients, args.tokens, args.rounds, generate)
             finally:
                 ray.shutdown()
     env = (f"SmolLM2-135M-Instruct, {dtype}; {args.tokens} new tokens a program, prompts of ~30 tokens; "
-           f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
+           f"median of {args.rounds} rounds a row; 1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
     publish(env, "\n".join(rows), args.out, args.title)
 
 
 def measure(kind: str, path: str, runtime: Runtime, loops: list[str], clients: list[int], tokens: int,
-            generate: dict[int, float]) -> list[str]:
+            rounds: int, generate: dict[int, list[float]]) -> list[str]:
+    """The rows of `path`. In process, each round runs engine.generate (kept in `generate`) right
+    before the programs, and a row's ratio is the median of the rounds'; through Ray, each round is
+    compared with the local rounds' median engine.generate."""
     rows = []
     for loop in loops:
         run_batch(runtime, LOOPS[loop], 2, 4)                          # warm-up: sandbox, programs
         for n in clients:
-            r = run_batch(runtime, LOOPS[loop], n, tokens)
-            rate = n * tokens / r["wall"]
+            local, results = path == "local", []
+            for _ in range(rounds):
+                if local:
+                    generate[n].append(reference(runtime, n, tokens))
+                    base = generate[n][-1]
+                else:
+                    base = statistics.median(generate[n])
+                r = run_batch(runtime, LOOPS[loop], n, tokens)
+                results.append((n * tokens / r["wall"] / base, r))
+            ratio, r = sorted(results, key=lambda x: x[0])[len(results) // 2]
             cpu = (f"{1e3 * r['host_cpu'] / (n * tokens):.2f} | {1e3 * r['plane_cpu'] / (n * tokens):.2f}"
-                   if path == "local" else "– | –")
-            rows.append(f"| {kind} | {path} | {loop} | {n} | {rate:.1f} | {rate / generate[n]:.2f} "
+                   if local else "– | –")
+            rows.append(f"| {kind} | {path} | {loop} | {n} | {n * tokens / r['wall']:.1f} | {ratio:.2f} "
                         f"| {histogram(r['steps'])} | {cpu} |")
             print(rows[-1], flush=True)
     return rows
