@@ -41,12 +41,12 @@ STORY = " once upon a time, in a small village by the sea, there lived an old fi
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-_rounds = itertools.count()
+_batches = itertools.count()
 
 
 def prompts(n: int) -> list[str]:
     """N prompts no earlier call gave (the prefix cache holds none of them)."""
-    batch = next(_rounds)
+    batch = next(_batches)
     return [f"Story {batch}.{i}:{STORY}" for i in range(n)]
 
 
@@ -122,13 +122,14 @@ def main() -> None:
         with Runtime.local(**settings) as local:
             dtype = str(local.engine.worker.dtype).removeprefix("torch.")
             for n in clients:
-                local.engine.generate([local.engine.tokenizer.encode(p) for p in prompts(n)], 2,
-                                      ignore_eos=True)                 # warm-up (compiled buckets)
+                reference(local, n, 2)                                  # warm-up (compiled buckets)
             generate: dict[int, list[float]] = {n: [] for n in clients}
-            program_rows = measure(kind, "local", local, loops if "local" in args.paths else [], clients,
-                                   args.tokens, args.rounds, generate)
-            if not generate[clients[0]]:                            # no local rows: generate alone
-                generate = {n: [reference(local, n, args.tokens) for _ in range(args.rounds)] for n in clients}
+            if "local" in args.paths:
+                program_rows = measure(kind, "local", local, loops, clients, args.tokens, args.rounds, generate)
+            else:                                                       # the Ray rows' baseline alone
+                program_rows = []
+                for n in clients:
+                    generate[n] = [reference(local, n, args.tokens) for _ in range(args.rounds)]
             for n in clients:
                 rows.append(f"| {kind} | engine.generate | – | {n} | {statistics.median(generate[n]):.1f} "
                             f"| 1.00 | – | – | – |")
@@ -151,11 +152,11 @@ def measure(kind: str, path: str, runtime: Runtime, loops: list[str], clients: l
     """The rows of `path`. In process, each round runs engine.generate (kept in `generate`) right
     before the programs, and a row's ratio is the median of the rounds'; through Ray, each round is
     compared with the local rounds' median engine.generate."""
-    rows = []
+    rows, local = [], path == "local"
     for loop in loops:
         run_batch(runtime, LOOPS[loop], 2, 4)                          # warm-up: sandbox, programs
         for n in clients:
-            local, results = path == "local", []
+            results = []
             for _ in range(rounds):
                 if local:
                     generate[n].append(reference(runtime, n, tokens))

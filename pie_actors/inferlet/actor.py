@@ -65,7 +65,7 @@ class InferletActor:
         owner = None if process is None else process[0]
         model = engine_address.model if isinstance(engine_address, FirstPassChoice) else None
         if model is not None:
-            engine_address = EngineChoice(engine_address.info, partial(_choose, controller, engine_address.model, owner))
+            engine_address = EngineChoice(engine_address.info, partial(_choose, controller, model, owner))
         run = Run(program, input, engine_address, limits, events.put, files=files, peers=peers, owner=owner)
         with self._lock:
             self._process, self._run, self._model = process, run, model
