@@ -1,6 +1,8 @@
 """ChannelStore: typed queues in engine memory, their limits, subscription and poisoning."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -51,6 +53,25 @@ def test_subscribers_get_values_and_poison():
     assert got == [([7], None), ([8], None), (None, "PassError: bad")]
     with pytest.raises(ChannelError, match="poisoned by a failed pass: PassError: bad"):
         store.put(cid, [9])
+
+
+def test_a_put_during_a_subscription_comes_after_the_values_queued_before_it():
+    """The engine thread may put while the data plane subscribes: the subscriber must get the
+    queued values first. Here the put starts while the first queued value is being handed over."""
+    store = ChannelStore()
+    cid = store.create([1], "i64", capacity=4, values=[1])
+    store.put(cid, [2])
+    got, putter = [], []
+
+    def sink(c, value, error):
+        got.append(value[0])
+        if not putter:
+            putter.append(threading.Thread(target=store.put, args=(cid, [3])))
+            putter[0].start()
+            putter[0].join(0.5)            # the put waits for the subscription to finish
+    store.subscribe(cid, sink)
+    putter[0].join()
+    assert got == [1, 2, 3]
 
 
 def test_snapshot_and_restore_device_channels():

@@ -29,7 +29,8 @@ __all__ = ["ChannelError", "ChannelStore", "MAX_CAPACITY", "MAX_ELEMENTS"]
 MAX_CAPACITY = 4096          # values a channel may buffer
 MAX_ELEMENTS = 1 << 20       # elements of one channel value (a vocabulary mask fits)
 
-Sink = Callable[[int, "list | None", "str | None"], None]   # (channel, value as a list, poison message)
+# (channel, value as a list, poison message); called under the store's lock at times, so it only hands over
+Sink = Callable[[int, "list | None", "str | None"], None]
 
 
 class ChannelError(ValueError):
@@ -192,10 +193,10 @@ class ChannelStore:
             if chan.sink is not None:
                 raise ChannelError(f"channel {cid} is already read by the host")
             chan.sink = sink
-            queued = [v.tolist() for v in chan.values]
+            # handed over under the lock: a put on the engine thread that sees the sink comes after
+            for value in chan.values:
+                sink(cid, value.tolist(), None)
             chan.values.clear()
-        for value in queued:
-            sink(cid, value, None)
 
     def poison(self, cids: list[int], message: str) -> None:
         """Mark channels unusable after a failed pass; their subscribers hear of it."""
