@@ -102,6 +102,23 @@ def test_run_ahead_ends_at_its_budget(runtime):
     assert out["tokens"] == want and out["kept"] == 5
 
 
+# RUN_AHEAD whose host pauses after its first read (the channel is read by the host from then on):
+# the engine runs the rest of the budget and answers meanwhile, and every value it pushed must still
+# be there to read
+LATE_READER = RUN_AHEAD.replace("from inferlet import chat, model", "import asyncio\nfrom inferlet import chat, model").replace(
+    "    async def on_token():\n", "    async def on_token():\n        if len(tokens) == 2:\n"
+                                   "            await asyncio.sleep(input['pause_s'])\n")
+
+
+def test_a_run_ahead_that_ends_by_its_budget_while_the_host_pauses_keeps_every_token(runtime):
+    engine = runtime.engine
+    start = referenced(runtime)
+    out = run(runtime, LATE_READER, {"prompt": PROMPT, "n": 6, "budget": 5, "pause_s": 1.0}, timeout=30)
+    want = engine.generate([engine.tokenizer.encode(PROMPT)], 6, ignore_eos=True)[0]
+    assert out["tokens"] == want and out["kept"] == 5
+    settle(runtime, start)
+
+
 SAMPLER = """
 from inferlet import chat, model
 from inferlet.eta import (Channel, ForwardPass, Pipeline, StateGeometry, WorkingSet, broadcast, dtype, ge,

@@ -68,6 +68,7 @@ class EtaOps:
         self._chan_ids = itertools.count(1)
         self._channels: dict[int, Inbox] = {}             # subscribed engine channel -> the values pushed
         self._runs: dict[int, int] = {}                   # run-ahead handle -> its pass request id
+        self._stopped: set[int] = set()                   # run-ahead handles the guest stopped
         self._run_ids = itertools.count(1)
         self._in_flight = 0                               # passes sent and not finished
         self._told_idle = False                           # the engine knows we wait on something else
@@ -363,9 +364,14 @@ class EtaOps:
 
         def done(fut) -> None:
             self._runs.pop(handle, None)
-            for cid in puts:                      # values of runs past the stop were never read
-                if cid in self._channels:
-                    self._channels[cid].clear()
+            # Once the guest has stopped, what is still unread came from runs past the stop (the
+            # engine pushes every value before it answers). A run that ended by its budget keeps
+            # its values: the guest may not have read them all yet.
+            if handle in self._stopped:
+                self._stopped.discard(handle)
+                for cid in puts:
+                    if cid in self._channels:
+                        self._channels[cid].clear()
             self._pass_done(fid, fut, int)
 
         self._send_pass(fields, handles, done, started)
@@ -380,6 +386,7 @@ class EtaOps:
     def run_ahead_stop(self, args: Any) -> None:
         """Stop the run-ahead; runs after the first `keep` are cut off the working sets."""
         handle, keep = args
+        self._stopped.add(handle)
         self.run.post(self._tell_run, handle,
                                            lambda pass_id: self.run.client.repeat_stop(pass_id, keep))
 
