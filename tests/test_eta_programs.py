@@ -108,6 +108,7 @@ def test_run_ahead_ends_at_its_budget(runtime):
 LATE_READER = RUN_AHEAD.replace("from inferlet import chat, model", "import asyncio\nfrom inferlet import chat, model").replace(
     "    async def on_token():\n", "    async def on_token():\n        if len(tokens) == 2:\n"
                                    "            await asyncio.sleep(input['pause_s'])\n")
+assert "pause_s" in LATE_READER and "import asyncio" in LATE_READER     # the edits found their lines
 
 
 def test_a_run_ahead_that_ends_by_its_budget_while_the_host_pauses_keeps_every_token(runtime):
