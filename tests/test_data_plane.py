@@ -177,6 +177,31 @@ def test_closing_a_connection_frees_its_sequences(served):
         engine.kv.check()
 
 
+def test_a_closed_connection_counts_until_its_sequences_are_freed(served, monkeypatch):
+    """`connections == 0` in the stats means every page of theirs is back: what callers wait for."""
+    engine, server = served
+    counted = []
+    free = engine.free
+
+    def counting_free(seq):
+        counted.append(server.stats()["connections"])
+        free(seq)
+
+    monkeypatch.setattr(engine, "free", counting_free)
+
+    async def main():
+        client = await EngineClient.connect(*server.address)
+        seq = await client.create()
+        await client.forward([{"seq": seq, "tokens": engine.tokenizer.encode(PROMPTS[0])}])
+        client._writer.transport.abort()     # freed by the server's release, not by a free request
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 10
+    while not counted and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert counted == [1]
+
+
 def test_pending_calls_fail_when_the_connection_drops():
     """An engine that accepts the connection, reads two requests, then dies without answering."""
     async def engine_that_dies(reader, writer):

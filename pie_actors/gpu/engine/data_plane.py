@@ -230,8 +230,8 @@ class EngineServer:
                     except ConnectionError:
                         return
         finally:
+            conn.release()          # before it stops counting: no connection open means nothing of theirs is held
             self._connections.discard(conn)
-            conn.release()
             writer.close()
 
 
