@@ -25,6 +25,7 @@ from functools import lru_cache, partial
 from typing import TYPE_CHECKING, Any, Callable, Coroutine
 
 from ..config import RunLimits
+from ..event_loop import new_event_loop
 from ..gpu.engine import wire
 from ..process import Event
 from .chat_ops import ChatTokens, chat_tokens
@@ -72,7 +73,7 @@ class RunState:
         self.deadline = time.monotonic() + limits.timeout_s     # the run's, as the sandbox counts it
         self._posted: list[Callable[[], None]] = []    # for the loop thread, not yet handed over
         self._posted_lock = threading.Lock()
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="inferlet-host", daemon=True)
         self._thread.start()
         self._closed = False

@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 from . import wire
 from ...config import EngineConfig
+from ...event_loop import new_event_loop
 from ...kvstore import KVStoreError, UnknownSequence, partition_root
 from ..model.adapters import parse_site
 from .channels import ChannelError
@@ -103,14 +104,6 @@ _LANE_FIELDS = {"seq", "tokens", "positions", "slots", "kv_len", "mask", "fold",
 _KNOWN_ERRORS = (BadRequest, EpilogueError, PassError, KVStoreError, ChannelError, EtaError)
 
 
-def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-        return uvloop.new_event_loop()
-    except ImportError:
-        return asyncio.new_event_loop()
-
-
 class EngineServer:
     """Serves a started `Engine` (`engine.start()`) on a TCP port from its own event-loop thread, to
     the connections that prove `secret` (made here: 32 random bytes)."""
@@ -166,7 +159,7 @@ class EngineServer:
                 "sequences": sum(len(c.owned) for c in list(self._connections))}
 
     def _run(self, host: str, port: int, ready: Future) -> None:
-        loop = self._loop = _new_loop()
+        loop = self._loop = new_event_loop()
         asyncio.set_event_loop(loop)
         try:
             server = loop.run_until_complete(asyncio.start_server(self._serve, host, port))
