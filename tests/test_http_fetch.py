@@ -190,3 +190,27 @@ def test_a_name_that_rebinds_to_a_private_address_after_the_check_is_not_reached
     [got] = _fetch(runtime, [{"url": f"http://rebind.test:{port}/rebind", "timeout": 1.0}], ("*",))
     assert answers[0] == "93.184.215.14"
     assert got["error"] in ("failed", "timeout") and "/rebind" not in _Handler.paths
+
+
+def test_a_request_still_in_flight_when_the_run_ends_ends_with_it(runtime, server):
+    """The runs of a process share one host loop: a fetch the program left running is cancelled there
+    when the run ends, not left to run out its timeout."""
+    import asyncio
+
+    from pie_actors.inferlet.run_state import host_loop
+
+    program = ("import asyncio\nfrom inferlet import http\n\nasync def main(input):\n"
+               f"    asyncio.ensure_future(http.fetch({server + '/slow?s=3'!r}, timeout=10))\n"
+               "    await asyncio.sleep(0.5)\n    return {}\n")
+
+    async def fetches() -> int:
+        return sum(t.get_coro().__qualname__ == "HttpOps._fetch" for t in asyncio.all_tasks())
+
+    limits = dataclasses.replace(runtime.config.limits, allow_hosts=("127.0.0.1",))
+    _Handler.paths = []
+    assert runtime.launch(program, limits=limits).result(60) == {}
+    assert "/slow?s=3" in _Handler.paths               # the request had reached the server
+    deadline = time.monotonic() + 2.0
+    while (left := asyncio.run_coroutine_threadsafe(fetches(), host_loop()).result(5)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left == 0

@@ -201,6 +201,20 @@ def test_sixteen_concurrent_inferlets_get_their_alone_results(runtime):
     assert stats["kv"]["referenced"] == 0 and stats["sequences"] == 0
 
 
+def test_the_runs_of_a_process_share_one_host_loop_thread(local):
+    import threading
+
+    processes = [local.launch(COMPLETION, {"prompt": p}) for p in PROMPTS]
+    results = ThreadPoolExecutor(len(processes)).map(lambda p: p.result(120), processes)
+    most_runs = most_loops = 0
+    while not all(p.ended for p in processes):
+        names = [t.name for t in threading.enumerate()]
+        most_runs, most_loops = max(most_runs, names.count("inferlet")), max(most_loops, names.count("inferlet-host"))
+        time.sleep(0.01)
+    assert all(r["text"] for r in results)
+    assert most_runs > 1 and most_loops == 1
+
+
 # ---- the Controller and its engines ---------------------------------------------------------------
 
 def test_engine_settings_that_differ_are_refused_with_the_difference(cluster, default_model_dir):

@@ -25,6 +25,7 @@ import asyncio
 import base64
 import ipaddress
 import socket
+from functools import partial
 from typing import Any, Callable
 from urllib.parse import urljoin, urlsplit
 
@@ -91,7 +92,7 @@ class HttpOps:
         except _Refused as e:
             raise HostOpError(f"refused: {e}") from None
         fid = self.run.futures.new()
-        self.run.post(self.run.loop.create_task, self._fetch(fid, method, url, headers, body, timeout))
+        self.run.start_task(self._fetch(fid, method, url, headers, body, timeout))
         return fid
 
     def _check_listed(self, url: str) -> str:
@@ -116,7 +117,9 @@ class HttpOps:
         port = urlsplit(url).port or (443 if url.lower().startswith("https") else 80)
         loop = asyncio.get_running_loop()
         try:
-            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            # Python's resolver on a worker thread, as asyncio's loop does it: uvloop's getaddrinfo
+            # resolves inside libuv, where the process's socket.getaddrinfo (and its hooks) is not asked
+            infos = await loop.run_in_executor(None, partial(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM))
         except OSError as e:
             raise OSError(f"cannot resolve {host!r}: {e}") from None
         addresses = list(dict.fromkeys(info[4][0] for info in infos))     # the resolver's order

@@ -1,7 +1,7 @@
 """`RunState`: what the host-glue classes of one inferlet run (the *_ops.py modules) share.
 
-The engine connection (an `EngineClient` on a loop thread of its own, so every sequence the run
-creates is freed when it closes, however the run ends), the run's `FutureTable`, the engine's
+The engine connection (an `EngineClient` on the host loop, so every sequence the run creates is
+freed when it closes, however the run ends), the run's `FutureTable`, the engine's
 `info`, the run's limits and deadline, where its Send / File events go, and the model's tokenizer
 and chat pieces. Nothing else is shared between the glue classes.
 
@@ -9,6 +9,12 @@ A run is given its engine's address, or an `EngineChoice`: one of the model's en
 chosen at the run's first pass (`bind`), by the tokens it starts with (the replica caching most of
 them), and the run connects only then. Until then the glue classes keep what they make for the
 engine (eta_ops.py).
+
+The host loop (`host_loop`) is one event-loop thread for all the runs of a process, started with
+the first, rather than one a run: a run's own loop thread woke twice a token and contended for the
+interpreter lock with the guests' and the engine's threads, where one thread reads the replies of
+many runs that arrive together in one wake-up (bench/RESULTS.md, "What did not help"). Nothing on
+it may block. A run's tasks on it end with the run (`close`).
 
 Host time is not guest time: the sandbox's deadline stops guest code, not a host operation that
 waits. So every wait of a host operation has a bound of its own and ends by the run's deadline too
@@ -18,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -35,7 +43,7 @@ from .host import FutureTable, HostOpError, InferletError
 if TYPE_CHECKING:
     from ..tokenizer import Tokenizer
 
-__all__ = ["RunState", "EngineChoice", "CONNECT_TIMEOUT_S", "HOST_WAIT_S"]
+__all__ = ["RunState", "EngineChoice", "host_loop", "CONNECT_TIMEOUT_S", "HOST_WAIT_S"]
 
 CONNECT_TIMEOUT_S = 30.0
 CLOSE_TIMEOUT_S = 10.0
@@ -50,6 +58,21 @@ class EngineChoice:
 
     info: wire.Info
     choose: Callable[[list[int] | None, float], wire.EngineAddress]
+
+
+_host_loop: tuple[int, asyncio.AbstractEventLoop] | None = None    # (the process that started it, loop)
+_host_loop_lock = threading.Lock()
+
+
+def host_loop() -> asyncio.AbstractEventLoop:
+    """The event loop of this process's runs, on a thread of its own (started on first use)."""
+    global _host_loop
+    with _host_loop_lock:
+        if _host_loop is None or _host_loop[0] != os.getpid():    # a forked child has no loop thread
+            loop = new_event_loop()
+            threading.Thread(target=loop.run_forever, name="inferlet-host", daemon=True).start()
+            _host_loop = (os.getpid(), loop)
+        return _host_loop[1]
 
 
 def _run_all(calls: list[Callable[[], None]]) -> None:
@@ -73,9 +96,8 @@ class RunState:
         self.deadline = time.monotonic() + limits.timeout_s     # the run's, as the sandbox counts it
         self._posted: list[Callable[[], None]] = []    # for the loop thread, not yet handed over
         self._posted_lock = threading.Lock()
-        self.loop = new_event_loop()
-        self._thread = threading.Thread(target=self._run_loop, name="inferlet-host", daemon=True)
-        self._thread.start()
+        self.loop = host_loop()
+        self._tasks: set[asyncio.Task] = set()          # started by `start_task` (on the loop thread)
         self._closed = False
         self.restartable = False     # runtime.declare_restartable: may run again if its engine is lost
         self.tokens = 0              # what the run cost the engine (`close` reads it), its ended children's too
@@ -89,7 +111,8 @@ class RunState:
             else:
                 self.info = self._choice.info
         except BaseException:
-            self._stop_loop()
+            with contextlib.suppress(Exception):     # the error that matters is the one raised
+                self._close_client()
             raise
         self._tok: Tokenizer | None = None
 
@@ -142,6 +165,20 @@ class RunState:
         with self._posted_lock:
             self._posted.append(partial(fn, *args) if args else fn)
 
+    def start_task(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run `coro` on the loop, posted like `post`; it is cancelled if it still runs when the run
+        closes."""
+        self.post(self._start_task, coro)
+
+    def _start_task(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _cancel_tasks(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
     def flush(self) -> None:
         """Hand what was posted to the loop thread, in one wake-up."""
         with self._posted_lock:
@@ -185,31 +222,24 @@ class RunState:
             raise
 
     def close(self) -> None:
-        """Close the engine connection (the engine frees every sequence of the run) and the loop."""
+        """Close the engine connection (the engine frees every sequence of the run) and end the run's
+        tasks."""
         if self._closed:
             return
         self._closed = True
-        if self.client is None:       # never connected: nothing ran for the run
-            self._stop_loop()
-            return
         try:
-            try:
-                self.tokens += self._wait(self.client.usage(), CLOSE_TIMEOUT_S)
-            except Exception:
-                pass             # the engine is gone: what it ran for the run is not known
-            self._wait(self.client.close(), CLOSE_TIMEOUT_S)
+            if self.client is not None:
+                try:
+                    self.tokens += self._wait(self.client.usage(), CLOSE_TIMEOUT_S)
+                except Exception:
+                    pass             # the engine is gone: what it ran for the run is not known
+            self._close_client()
         finally:
-            self._stop_loop()
+            self.loop.call_soon_threadsafe(self._cancel_tasks)
 
-    def _run_loop(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-        self.loop.close()
-
-    def _stop_loop(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
+    def _close_client(self) -> None:
+        if self.client is not None:
+            self._wait(self.client.close(), CLOSE_TIMEOUT_S)
 
     # -- the model's text side ------------------------------------------------------------------
 
