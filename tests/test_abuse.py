@@ -10,6 +10,8 @@ so that each bomb trips fast.
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import textwrap
 from dataclasses import replace
 
@@ -154,6 +156,30 @@ def test_deep_recursion_ends_its_own_run_only(runtime, alone, limit, kind, says)
     error = failure(abuser)
     assert error.kind == kind and says in error.message, error
     assert_pages_back(runtime)
+
+
+# A process that runs a sandbox, then joins Ray (a driver that runs a local program first, then a
+# cluster's), then meets a guest's trap: the trap must stay the run's, not become the process's SIGILL.
+TRAP_AFTER_RAY = r"""
+import ray
+from pie_actors.inferlet import HostApi, InferletError, Sandbox
+
+sandbox = Sandbox()
+sandbox.run("async def main(input):\n    return 1\n", {}, HostApi())
+ray.init(address="local", num_cpus=1, include_dashboard=False)
+bomb = "import sys\nsys.setrecursionlimit(10 ** 8)\ndef down(n):\n    return down(n + 1) + 1\nasync def main(input):\n    down(0)\n"
+try:
+    sandbox.run(bomb, {}, HostApi())
+except InferletError as e:
+    print("run failed:", e.kind)
+print("process alive")
+"""
+
+
+def test_a_trap_after_ray_init_in_the_same_process_ends_its_run_only():
+    out = subprocess.run([sys.executable, "-c", TRAP_AFTER_RAY], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert out.stdout.splitlines()[-2:] == ["run failed: trap", "process alive"]
 
 
 WAT_TABLE = """

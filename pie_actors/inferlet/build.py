@@ -49,10 +49,32 @@ def new_engine():
     """A wasmtime Engine configured as the cached artifacts expect."""
     import wasmtime
 
+    _keep_guest_traps_catchable()
     config = wasmtime.Config()
     for name, value in ENGINE_SETTINGS.items():
         setattr(config, name, value)
     return wasmtime.Engine(config)
+
+
+def _keep_guest_traps_catchable() -> None:
+    """wasmtime catches a guest's traps (a stack overflow, an out-of-bounds access) in SIGSEGV and
+    SIGILL handlers that it installs when its first engine starts, and passes on the faults that
+    are not a guest's. A handler installed after it that does not pass them back kills the process
+    at the next trap, and `ray.init` installs two: Ray's own failure handler and, when it is not on
+    yet, Python's faulthandler. So where Ray has not started in this process yet (in Ray's workers
+    its handlers are already below wasmtime's), faulthandler goes on now, below wasmtime's, and a
+    later `ray.init` here leaves Ray's handler out."""
+    import faulthandler
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return
+    if not faulthandler.is_enabled():
+        faulthandler.enable()
+    if os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1") == "1":
+        constants = sys.modules.get("ray._private.ray_constants")     # Ray reads the variable at import
+        if constants is not None:
+            constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
 
 
 def cache_dir() -> Path:
