@@ -20,15 +20,16 @@ measured one after the other, so a ratio in one run compares figures taken minut
             CPUs with AVX2 or better: a first start on a machine compiles a graph per batch bucket up
             to the largest C, minutes each on 2 cores, and later starts compile again (RESULTS.md,
             "Compiled engine start");
-            `--compile off` starts in seconds, on the eager engine). It runs in this process, as
-            `pie serve --local` does; with `--cluster`, on a Ray cluster of its own, as `pie serve`
-            does by default: the engine in its actor, each request an inferlet actor
+            `--compile off` starts in seconds, on the eager engine). It runs in this process with its
+            engine in a child process, as `pie serve --local` does; with `--one-process`, the engine
+            in this process too; with `--cluster`, on a Ray cluster of its own, as `pie serve` does
+            by default: the engine in its actor, each request an inferlet actor
   llamacpp  llama-cpp-python's server (`python -m llama_cpp.server`) on an F16 GGUF of the same
             weights (gguf_variants.py), as many threads as the engine. It runs one request at a
             time; it starts with `--interrupt_requests False` so that a new request waits instead of
             cutting the running one
-  engine    `engine.generate` of the same prompts on the served engine (with `--cluster`, an engine of
-            the same settings in this process), C at a time, greedy: the batched decode with no HTTP,
+  engine    `engine.generate` of the same prompts on an engine of the served one's settings in this
+            process (with `--one-process`, on the served engine), C at a time, greedy: the batched decode with no HTTP,
             no sandbox and no program in between
 
 Equal work: greedy, every reply exactly `--tokens` tokens (`ignore_eos` for pie serve, `min_tokens`
@@ -373,6 +374,9 @@ def main() -> None:
                     help="pie serve on a Ray cluster of its own (what `pie serve` runs without --local: the "
                          "engine in its actor, each request an inferlet actor from a warm pool of C+2), with "
                          "engine.generate on an engine of the same settings in this process")
+    ap.add_argument("--one-process", action="store_true",
+                    help="pie serve's engine in this process (`pie serve --local --one-process`) instead of a "
+                         "child process of its own, and engine.generate on it")
     ap.add_argument("--quick", action="store_true", help="32 tokens, C requests a level (at least 4): a smoke run")
     add_output_options(ap, "pie serve under load")
     args = ap.parse_args()
@@ -400,11 +404,11 @@ def main() -> None:
         # compile only the decode buckets this run can fill (each takes minutes to compile on 2 cores)
         settings = dict(dtype=args.dtype, compile=args.compile, compile_max_batch=max(levels), num_threads=args.threads)
         cluster = {"local": False, "pool_size": max(levels) + 2} if args.cluster else {}
-        server = Server(MODEL, port=0, **cluster, **settings)
+        server = Server(MODEL, port=0, engine_process=not (args.cluster or args.one_process), **cluster, **settings)
         stack.callback(server.close)
         server.start().wait_ready(SERVE_START_S)
         print(f"pie serve ready in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-        if args.cluster:                          # the served engine runs in its actor: one like it here
+        if not args.one_process:                  # the served engine runs elsewhere: one like it here
             engine = Engine.from_config(load(model=MODEL, **settings).engine, long_lived=True)
             stack.callback(engine.close)
         else:
@@ -439,7 +443,9 @@ def main() -> None:
 
     llama = f", llama-cpp-python {metadata.version('llama-cpp-python')} F16 GGUF" if llama_url else ""
     counted = "; ".join(f"{s} {p}+{n}" for s, (p, n) in usage.items())
-    where = "on a Ray cluster of its own, engine.generate in the driver" if args.cluster else "in one process"
+    where = ("on a Ray cluster of its own, engine.generate in the driver" if args.cluster else
+             "in one process" if args.one_process else
+             "with its engine in a child process, engine.generate in the driver")
     env = (f"SmolLM2-135M-Instruct, {args.threads} thread{'s' if args.threads > 1 else ''}; pie serve {where}; "
            f"pie serve and engine.generate {dtype}, {compiled}{llama}; "
            f"{max_tokens} completion tokens a request, greedy; requests a level: "

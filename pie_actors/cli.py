@@ -279,7 +279,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     settings = {"host": args.host, "port": args.port, **_engine_settings(args),
                 "served_model_names": tuple(args.served_model_name) or None, "api_keys": tuple(args.api_key) or None}
-    server = Server(args.model, local=args.local, access_log=True, **settings).start()
+    if args.one_process and not args.local:
+        raise SystemExit("pie serve: --one-process goes with --local (on Ray the engine has its own actor)")
+    server = Server(args.model, local=args.local, engine_process=args.local and not args.one_process,
+                    access_log=True, **settings).start()
     names = ", ".join(server.serving.names)
     print(f"pie serve: {server.url} (OpenAI {server.url}/v1, Anthropic and Gemini {server.url}); model "
           f"{server.serving.model}, answering to {names}", flush=True)
@@ -304,8 +307,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--api-key", action="append", default=[], metavar="KEY",
                        help="a key clients must send (repeatable; replaces the config's keys; PIE_API_KEYS adds more)")
     serve.add_argument("--local", action="store_true",
-                       help="run everything in this process (no Ray). Default: join the Ray cluster at RAY_ADDRESS "
-                            "or on this machine, or start a local one")
+                       help="no Ray: the HTTP layer and the programs in this process, the engine in a child "
+                            "process of its own (out of the interpreter lock their host work holds). Default: join "
+                            "the Ray cluster at RAY_ADDRESS or on this machine, or start a local one")
+    serve.add_argument("--one-process", action="store_true",
+                       help="with --local: the engine in this process too")
     serve.set_defaults(handler=_serve)
 
 

@@ -43,13 +43,16 @@ class Runtime:
         self._backend, self.config = backend, config
 
     @classmethod
-    def local(cls, model: str | None = None, *, long_lived: bool = False, **settings: Any) -> Runtime:
+    def local(cls, model: str | None = None, *, long_lived: bool = False, engine_process: bool = False,
+              **settings: Any) -> Runtime:
         """Everything in this process, no Ray: the engine for `model` (default: the configured one),
         its data plane on a local port, and the sandbox. `settings` override the config by name
         (`dtype="float32"`, `timeout_s=60`, ...). `long_lived`: the runtime will serve for long (a
-        server), so compile "auto" compiles its engine."""
+        server), so compile "auto" compiles its engine. `engine_process`: the engine runs in a
+        child process instead (gpu/engine/engine_process.py), out of the programs' interpreter lock;
+        `engine` is then not available."""
         config = load(model=model, **settings)
-        return cls(_Local(config, long_lived), config)
+        return cls(_Local(config, long_lived, engine_process), config)
 
     @classmethod
     def connect(cls, address: str | None = None, **settings: Any) -> Runtime:
@@ -112,6 +115,8 @@ class Runtime:
         """The in-process Engine (Runtime.local only), for tests and benchmarks that look inside."""
         if not isinstance(self._backend, _Local):
             raise AttributeError("a Runtime.connect() runtime's engine runs in its own actor: use stats()")
+        if self._backend.engine is None:
+            raise AttributeError("this runtime's engine runs in its own process (engine_process=True): use stats()")
         return self._backend.engine
 
     def close(self) -> None:
@@ -122,11 +127,16 @@ class Runtime:
 # ---- in this process -----------------------------------------------------------------------------
 
 class _Local:
-    def __init__(self, config: Config, long_lived: bool) -> None:
+    def __init__(self, config: Config, long_lived: bool, engine_process: bool = False) -> None:
         from .gpu.engine.data_plane import serve_model
+        from .gpu.engine.engine_process import EngineProcess
 
-        self.server, self.address = serve_model(config.engine, long_lived=long_lived)
-        self.engine = self.server.engine
+        if engine_process:
+            self.server = self.saved_sets = EngineProcess(config.engine, long_lived)
+            self.address, self.engine = self.server.address, None
+        else:
+            self.server, self.address = serve_model(config.engine, long_lived=long_lived)
+            self.engine = self.saved_sets = self.server.engine
         self.model = config.engine.model
         self.runs: dict[tuple[str | None, str], Any] = {}   # (owner, process name) -> its Run, while it runs
         self._lock = threading.Lock()
@@ -171,11 +181,11 @@ class _Local:
         return run
 
     def saved(self, owner: str | None) -> list[dict[str, Any]]:
-        return self.engine.list_saved(owner)
+        return self.saved_sets.list_saved(owner)
 
     def delete_saved(self, name: str, owner: str | None) -> None:
         try:
-            self.engine.delete_saved(name, owner)
+            self.saved_sets.delete_saved(name, owner)
         except UnknownSaved as e:
             raise KeyError(str(e)) from None
 
@@ -193,7 +203,8 @@ class _Local:
         for run in runs:
             run.cancel("the runtime closed")
         self.server.close()
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()
 
 
 class _LocalPeers:

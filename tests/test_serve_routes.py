@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import anthropic
@@ -86,6 +87,45 @@ def test_pie_serve_local_with_keys_from_the_environment(default_model_dir, tmp_p
     finally:
         process.terminate()
         process.wait(60)
+
+
+def _children(pid: int) -> set[int]:
+    return {int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()}
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's reaper may be slow to collect it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_pie_serve_local_runs_its_engine_in_a_child_that_ends_with_it(default_model_dir):
+    env = {**os.environ, "PIE_API_KEYS": "", "PYTHONPATH": os.pathsep.join(sys.path)}
+    process = _pie("--local", "--port", "0", "--model", str(default_model_dir), "--dtype",
+                   "float32", "--compile", "off", env=env)
+    try:
+        url = _line(process, "pie serve: http").split()[2]
+        _line(process, "pie serve: the engine is loaded")
+        engines = _children(process.pid)
+        assert engines                                       # the engine's own process
+        reply = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+            model="default", messages=ASK, max_tokens=16, temperature=0)
+        assert "Paris" in reply.choices[0].message.content
+    finally:
+        process.terminate()
+        process.wait(60)
+    end = time.monotonic() + 60
+    while any(_running(pid) for pid in engines):
+        assert time.monotonic() < end, "the engine's process outlived pie serve"
+        time.sleep(0.1)
+
+
+def test_pie_serve_one_process_needs_local():
+    out = subprocess.run([sys.executable, "-m", "pie_actors.cli", "serve", "--one-process"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode != 0 and "--one-process goes with --local" in out.stderr
 
 
 def test_pie_serve_without_keys_says_it_is_open(default_model_dir):

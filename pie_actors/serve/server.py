@@ -53,13 +53,15 @@ class Server:
     (default: the configured one). `settings` override the config by name (host, port, api_keys,
     served_model_names, routes, idle_timeout_s, and the engine's and runs' settings: dtype,
     num_pages, timeout_s...); `port=0` picks a free port.
-    `local`: the engine in this process (else the Ray cluster at `address`, RAY_ADDRESS or here)."""
+    `local`: the engine in this process (else the Ray cluster at `address`, RAY_ADDRESS or here);
+    with `engine_process`, in a child process of its own (see Runtime.local)."""
 
     def __init__(self, model: str | None = None, *, local: bool = True, address: str | None = None,
-                 access_log: bool = False, **settings: Any) -> None:
+                 access_log: bool = False, engine_process: bool = False, **settings: Any) -> None:
         self.settings = {"model": model, **{k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()}}
         self.config = load(**self.settings)
         self.local, self.address, self.access_log = local, address, access_log
+        self.engine_process = engine_process
         self.api_keys = api_keys(self.config)
         metrics = Metrics()
         serve = self.config.serve
@@ -168,7 +170,7 @@ class Server:
         from ..runtime import Runtime
 
         try:
-            runtime = (Runtime.local(long_lived=True, **self.settings) if self.local
+            runtime = (Runtime.local(long_lived=True, engine_process=self.engine_process, **self.settings) if self.local
                        else Runtime.connect(self.address, **self.settings))
             self._endpoints.runtime = self.serving.runtime = runtime
             self.serving.endpoints = self._endpoints
