@@ -129,9 +129,10 @@ class Runtime:
 class _Local:
     def __init__(self, config: Config, long_lived: bool, engine_process: bool = False) -> None:
         from .gpu.engine.data_plane import serve_model
-        from .gpu.engine.engine_process import EngineProcess
 
         if engine_process:
+            from .gpu.engine.engine_process import EngineProcess
+
             self.server = self.saved_sets = EngineProcess(config.engine, long_lived)
             self.address, self.engine = self.server.address, None
         else:
