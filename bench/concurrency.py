@@ -1,12 +1,14 @@
 """N programs at once on one engine: what the path programs take costs against the engine's own
 batched decode, run the way users run them.
 
-    python bench/concurrency.py [--clients 1,8,32,64] [--tokens 64] [--paths local,ray] [--rounds 3]
+    python bench/concurrency.py [--clients 1,8,32,64] [--tokens 64] [--paths local,child,ray] [--rounds 3]
                                 [--engines eager,compiled] [--dtype auto] [--out bench/RESULTS.md]
 
-For each engine (eager, compiled decode) and path (`Runtime.local`: sandbox, data plane and engine in
-this process; `Runtime.connect`: inferlet actors and an engine actor on a local Ray cluster), N
-programs are launched at once, each greedy-decoding `--tokens` tokens of its own ~30-token prompt:
+For each engine (eager, compiled decode) and path (`local`, `Runtime.local`: sandbox, data plane and
+engine in this process; `child`, `Runtime.local(engine_process=True)`: the same with the engine in a
+child process, as `pie serve --local` runs it; `ray`, `Runtime.connect`: inferlet actors and an
+engine actor on a local Ray cluster), N programs are launched at once, each greedy-decoding
+`--tokens` tokens of its own ~30-token prompt:
   per-token  one pass per token, as the quickstart decodes (examples/completion_max)
   run-ahead  a device loop, the host reading tokens (examples/run_ahead, stop tokens ignored)
 against `engine.generate` of the same N prompts batched in this process. The two alternate,
@@ -17,7 +19,7 @@ engine.generate (same engine settings, same machine). Wall time runs from the fi
 last result; tokens/s = N x tokens / wall time (the median round's). Per row: the decode-step
 histogram (lanes: steps) of the median round from the engine's statistics, and, in process, the CPU
 time per token of the program side (the sandboxed guest and its host: the threads each run starts)
-and of the data plane's server thread.
+and of the data plane's server thread (in this process on the local path only).
 """
 from __future__ import annotations
 
@@ -124,10 +126,14 @@ def main() -> None:
             for n in clients:
                 reference(local, n, 2)                                  # warm-up (compiled buckets)
             generate: dict[int, list[float]] = {n: [] for n in clients}
+            program_rows = []
             if "local" in args.paths:
-                program_rows = measure(kind, "local", local, loops, clients, args.tokens, args.rounds, generate)
-            else:                                                       # the Ray rows' baseline alone
-                program_rows = []
+                program_rows += measure(kind, "local", local, local, loops, clients, args.tokens, args.rounds, generate)
+            if "child" in args.paths:
+                with Runtime.local(engine_process=True, **settings) as child:
+                    program_rows += measure(kind, "child", child, local, loops, clients, args.tokens, args.rounds,
+                                            generate)
+            if not generate[clients[0]]:                                # the Ray rows' baseline alone
                 for n in clients:
                     generate[n] = [reference(local, n, args.tokens) for _ in range(args.rounds)]
             for n in clients:
@@ -139,7 +145,7 @@ def main() -> None:
             ray.init(address="local", include_dashboard=False, log_to_driver=False)
             try:
                 with Runtime.connect(**settings) as cluster:
-                    rows += measure(kind, "ray", cluster, loops, clients, args.tokens, args.rounds, generate)
+                    rows += measure(kind, "ray", cluster, None, loops, clients, args.tokens, args.rounds, generate)
             finally:
                 ray.shutdown()
     env = (f"SmolLM2-135M-Instruct, {dtype}; {args.tokens} new tokens a program, prompts of ~30 tokens; "
@@ -147,27 +153,29 @@ def main() -> None:
     publish(env, "\n".join(rows), args.out, args.title)
 
 
-def measure(kind: str, path: str, runtime: Runtime, loops: list[str], clients: list[int], tokens: int,
-            rounds: int, generate: dict[int, list[float]]) -> list[str]:
-    """The rows of `path`. In process, each round runs engine.generate (kept in `generate`) right
-    before the programs, and a row's ratio is the median of the rounds'; through Ray, each round is
-    compared with the local rounds' median engine.generate."""
-    rows, local = [], path == "local"
+def measure(kind: str, path: str, runtime: Runtime, reference_runtime: Runtime | None, loops: list[str],
+            clients: list[int], tokens: int, rounds: int, generate: dict[int, list[float]]) -> list[str]:
+    """The rows of `path`. With a `reference_runtime` (this process's engine), each round runs
+    engine.generate there (kept in `generate`) right before the programs, and a row's ratio is the
+    median of the rounds'; through Ray, each round is compared with the local rounds' median
+    engine.generate."""
+    rows = []
     for loop in loops:
         run_batch(runtime, LOOPS[loop], 2, 4)                          # warm-up: sandbox, programs
         for n in clients:
             results = []
             for _ in range(rounds):
-                if local:
-                    generate[n].append(reference(runtime, n, tokens))
+                if reference_runtime is not None:
+                    generate[n].append(reference(reference_runtime, n, tokens))
                     base = generate[n][-1]
                 else:
                     base = statistics.median(generate[n])
                 r = run_batch(runtime, LOOPS[loop], n, tokens)
                 results.append((n * tokens / r["wall"] / base, r))
             ratio, r = sorted(results, key=lambda x: x[0])[len(results) // 2]
-            cpu = (f"{1e3 * r['host_cpu'] / (n * tokens):.2f} | {1e3 * r['plane_cpu'] / (n * tokens):.2f}"
-                   if local else "– | –")
+            per_token = 1e3 / (n * tokens)
+            cpu = {"local": f"{per_token * r['host_cpu']:.2f} | {per_token * r['plane_cpu']:.2f}",
+                   "child": f"{per_token * r['host_cpu']:.2f} | –"}.get(path, "– | –")
             rows.append(f"| {kind} | {path} | {loop} | {n} | {n * tokens / r['wall']:.1f} | {ratio:.2f} "
                         f"| {histogram(r['steps'])} | {cpu} |")
             print(rows[-1], flush=True)
