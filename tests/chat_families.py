@@ -55,6 +55,17 @@ def make_family_dir(default_model_dir: Path, family: Family, folder: Path, templ
     return folder
 
 
+def thinking_model_dir(default_model_dir: Path, folder: Path) -> Path:
+    """The default model's weights behind the Qwen3 thinking (2507) chat template, whose cue
+    pre-fills `<think>`. The tokenizer is the default model's (its vocabulary is the model's: no
+    added `<think>` token the weights would have no row for), so the tags are ordinary text."""
+    template = (TEMPLATES / "qwen3-thinking-2507.jinja").read_text()
+    make_family_dir(default_model_dir, FAMILIES["smollm2"], folder, template)
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        (folder / name).symlink_to(default_model_dir / name)
+    return folder
+
+
 def hf_tokenizer(folder: Path):
     """transformers' tokenizer for a folder made by make_family_dir (the reference)."""
     import transformers

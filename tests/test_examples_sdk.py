@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from pie_actors.inferlet.chat_ops import ChatTokens
-from tests.chat_families import FAMILIES, TEMPLATES, make_family_dir
+from tests.chat_families import thinking_model_dir
 from pie_actors import Runtime
 from tests.inferlet_helpers import referenced, run, settle
 
@@ -190,13 +190,8 @@ def test_tool_agent_reports_a_call_cut_off(runtime):
 
 @pytest.fixture(scope="module")
 def thinking_served(default_model_dir, tmp_path_factory):
-    """The default model's weights behind the Qwen3 thinking (2507) chat template, whose cue
-    pre-fills `<think>`. The tokenizer is the default model's (its vocabulary is the model's: no
-    added `<think>` token the weights would have no row for), so the tags are ordinary text."""
-    folder = make_family_dir(default_model_dir, FAMILIES["smollm2"], tmp_path_factory.mktemp("qwen3_thinking"),
-                             (TEMPLATES / "qwen3-thinking-2507.jinja").read_text())
-    for name in ("config.json", "generation_config.json", "model.safetensors"):
-        (folder / name).symlink_to(default_model_dir / name)
+    """A local runtime on `thinking_model_dir`: replies open with thinking."""
+    folder = thinking_model_dir(default_model_dir, tmp_path_factory.mktemp("qwen3_thinking"))
     with Runtime.local(str(folder), dtype="float32", num_pages=256, timeout_s=120, compile="off") as rt:
         yield rt
 

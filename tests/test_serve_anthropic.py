@@ -1,5 +1,6 @@
 """pie serve's Anthropic API through the official anthropic SDK and raw HTTP: the Messages stream's
-event order, a tool_use -> tool_result -> answer loop, count_tokens, and errors in Anthropic's shape."""
+event order, a tool_use -> tool_result -> answer loop, count_tokens, thinking blocks, and errors in
+Anthropic's shape."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import jsonschema
 import pytest
 
 from serve_helpers import ASK, KEY, WEATHER, chat_prompt, greedy_text, greedy_tokens, start
+from tests.chat_families import thinking_model_dir
 
 TOOLS = [{"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}]
 WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -140,3 +142,32 @@ def test_errors_are_the_sdks_exception_types_and_anthropics_bodies(server, clien
     ok = httpx.post(url, json={"model": "default", "max_tokens": 4, "messages": ASK, "temperature": 0}, headers=bearer,
                     timeout=120)
     assert ok.status_code == 200 and ok.json()["type"] == "message"                 # Bearer works too
+
+
+@pytest.fixture(scope="module")
+def thinking_server(default_model_dir, tmp_path_factory):
+    """A server on `thinking_model_dir`: its replies open with thinking."""
+    with start(thinking_model_dir(default_model_dir, tmp_path_factory.mktemp("qwen3_thinking")), api_keys=(KEY,)) as s:
+        yield s
+
+
+def test_thinking_blocks_and_thinking_deltas_on_a_reasoning_template(thinking_server):
+    """The thinking before `</think>` is a thinking block (thinking_delta events when streamed), the
+    rest (if any) a text block: the split of the engine's own greedy reply."""
+    client = anthropic.Anthropic(base_url=thinking_server.url, api_key=KEY, max_retries=0)
+    kw = {"max_tokens": 48, "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    reply = greedy_text(thinking_server, chat_prompt(thinking_server, ASK), 48)
+    assert thinking_server.runtime.engine.tokenizer.decode(chat_prompt(thinking_server, ASK)).endswith("<think>\n")
+    message = create(client, **kw)
+    assert message.content[0].type == "thinking" and message.content[0].thinking
+    assert message.content[0].thinking.strip() == reply.split("</think>")[0].strip()
+    assert all("<think>" not in b.thinking for b in message.content if b.type == "thinking")
+
+    events = list(create(client, stream=True, **kw))
+    starts = [e.content_block.type for e in events if e.type == "content_block_start"]
+    deltas = [e.delta for e in events if e.type == "content_block_delta"]
+    assert starts[0] == "thinking" and {d.type for d in deltas} <= {"thinking_delta", "text_delta"}
+    assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == message.content[0].thinking
+    texts = [b.text for b in message.content if b.type == "text"]
+    assert "".join(d.text for d in deltas if d.type == "text_delta") == "".join(texts)
+    assert events[-2].delta.stop_reason == message.stop_reason
