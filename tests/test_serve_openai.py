@@ -11,7 +11,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
+import torch
 
+from pie_actors.inferlet.chat_ops import chat_tokens
 from serve_helpers import (ASK, KEY, QUESTION, WEATHER, batches_since, chat_prompt, greedy_text, greedy_tokens, idle,
                            log_softmax_rows, start)
 
@@ -201,6 +203,36 @@ def test_logit_bias_bans_a_token(server, client):
     paris = server.runtime.engine.tokenizer.encode(" Paris")
     biased = chat(client, max_tokens=12, logit_bias={str(paris[0]): -100}).choices[0].message.content
     assert " Paris" in plain and " Paris" not in biased
+
+
+def test_presence_and_frequency_penalties_are_the_engines_greedy_decode_with_them(server, client):
+    """Each step's argmax of the log-softmax minus presence x (seen) minus frequency x (times seen),
+    over the reply's own tokens, from direct passes."""
+    ask = [{"role": "user", "content": "Count from 1 to 30, separated by commas."}]
+    prompt, tok = chat_prompt(server, ask), server.runtime.engine.tokenizer
+    stops = set(chat_tokens(tok).stop_tokens())
+    presence, frequency, reply = 0.5, 1.5, []
+    counts = torch.zeros(tok.vocab_size)
+    for _ in range(24):
+        logprobs = log_softmax_rows(server, prompt + reply, [len(prompt) + len(reply) - 1])[0]
+        token = int((logprobs[:len(counts)] - (counts > 0).float() * presence - counts * frequency).argmax())
+        if token in stops:
+            break
+        reply.append(token)
+        counts[token] += 1
+    penalized = chat(client, ask, max_tokens=24, presence_penalty=presence, frequency_penalty=frequency)
+    assert penalized.choices[0].message.content == tok.decode(reply)
+    assert tok.decode(reply) != greedy_text(server, prompt, 24)        # the penalties changed the reply
+
+
+def test_top_k_1_and_min_p_1_sample_the_greedy_text(server, client):
+    """Sampling at temperature 1 keeps only the likeliest token under top_k 1 (an extra, as in vLLM)
+    or min_p 1; without them the same seed gives another text."""
+    ask = [{"role": "user", "content": "Write a short poem about the sea."}]
+    greedy = greedy_text(server, chat_prompt(server, ask), 24)
+    sampled = {name: chat(client, ask, max_tokens=24, temperature=1.0, seed=5, extra_body=extra).choices[0].message.content
+               for name, extra in (("top_k", {"top_k": 1}), ("min_p", {"min_p": 1.0}), ("plain", {}))}
+    assert sampled["top_k"] == sampled["min_p"] == greedy != sampled["plain"]
 
 
 def test_completions_one_prompt_a_list_echo_and_logprobs(server, client):
