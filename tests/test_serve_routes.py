@@ -1,4 +1,5 @@
-"""pie serve's replaceable endpoints, an endpoint that fails, and the `pie serve` command."""
+"""pie serve's replaceable endpoints, an endpoint that fails, /health before the engine serves, and the
+`pie serve` command."""
 from __future__ import annotations
 
 import os
@@ -68,6 +69,33 @@ def _line(process: subprocess.Popen, starts: str) -> str:
         if line.startswith(starts):
             return line
     raise AssertionError(f"pie serve exited ({process.wait()}) without printing {starts!r}")
+
+
+def test_health_is_503_until_the_engine_serves_and_a_failed_load_says_why(default_model_dir, tmp_path):
+    """The app listens before the engine loads: /health is 503 meanwhile, and stays 503 with the
+    loader's error when the weights cannot be read; requests get that error in their API's shape
+    instead of waiting."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for item in default_model_dir.iterdir():
+        if item.name != "model.safetensors":
+            (broken / item.name).symlink_to(item)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    server = start(broken).start()
+    try:
+        first = httpx.get(server.url + "/health")
+        assert first.status_code == 503 and first.json()["status"] in ("loading", "failed")
+        with pytest.raises(RuntimeError, match="not a readable safetensors file"):
+            server.wait_ready(120)
+        failed = httpx.get(server.url + "/health")
+        assert failed.status_code == 503 and failed.json()["status"] == "failed"
+        assert "not a readable safetensors file" in failed.json()["error"]
+        with pytest.raises(openai.InternalServerError, match="safetensors") as refused:
+            openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+                model="default", messages=ASK, max_tokens=4)
+        assert refused.value.status_code == 503
+    finally:
+        server.close()
 
 
 def test_pie_serve_local_with_keys_from_the_environment(default_model_dir, tmp_path):
