@@ -98,6 +98,20 @@ def test_tools_required_streamed_in_openais_delta_shape(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
+def test_parallel_tool_calls_lets_a_reply_call_again_and_off_ends_it_at_its_first(client):
+    ask = [{"role": "user", "content": "What is the weather in Paris, in Rome and in Madrid?"}]
+    kw = dict(max_tokens=160, tools=[{"type": "function", "function": WEATHER}], tool_choice="required")
+    several = chat(client, ask, parallel_tool_calls=True, **kw).choices[0]
+    one = chat(client, ask, parallel_tool_calls=False, **kw).choices[0]
+    assert several.finish_reason == one.finish_reason == "tool_calls"
+    assert len(several.message.tool_calls) > 1 and len(one.message.tool_calls) == 1
+    for call in several.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["parameters"])
+    assert len({call.id for call in several.message.tool_calls}) == len(several.message.tool_calls)
+    # greedy: the same first call, then the reply either ends or calls again
+    assert one.message.tool_calls[0].function == several.message.tool_calls[0].function
+
+
 def test_named_tool_choice_and_a_tool_result_round_trip(server, client):
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     tools = [{"type": "function", "function": WEATHER},
