@@ -1,5 +1,6 @@
 """pie serve's Gemini API through the official google-genai SDK and raw HTTP: generateContent, its
-stream, function calling, responseSchema JSON, countTokens, and errors in Gemini's shape."""
+stream, systemInstruction and generationConfig, function calling, responseSchema JSON, countTokens,
+and errors in Gemini's shape."""
 from __future__ import annotations
 
 import json
@@ -44,6 +45,23 @@ def test_generate_content_and_its_stream_are_the_engines_greedy_text(server, cli
     assert chunks[-1].usage_metadata.candidates_token_count == len(expected)
     cut = client.models.generate_content(model="default", contents=QUESTION, config=config(max_output_tokens=2))
     assert cut.candidates[0].finish_reason == types.FinishReason.MAX_TOKENS
+
+
+def test_system_instruction_stop_sequences_and_top_k(server, client):
+    system = "You are a concise assistant."
+    prompt = chat_prompt(server, [{"role": "system", "content": system}] + ASK)
+    text = server.runtime.engine.tokenizer.decode(greedy_tokens(server, prompt, 32))
+    assert "Paris" in text
+
+    def generate(**kw):
+        return client.models.generate_content(model="default", contents=QUESTION,
+                                              config=config(system_instruction=system, **kw))
+
+    plain = generate()
+    assert plain.text == text and plain.usage_metadata.prompt_token_count == len(prompt)
+    cut = generate(stop_sequences=["Paris"])
+    assert cut.text == text[:text.index("Paris")] and cut.candidates[0].finish_reason == types.FinishReason.STOP
+    assert generate(temperature=1.0, top_k=1, seed=4).text == text        # sampling among one token
 
 
 def test_every_path_prefix_and_the_key_as_a_query_parameter(server):
