@@ -65,7 +65,7 @@ def test_paris_streamed_and_not_with_the_full_event_order(server, client):
         assert stream.get_final_message().stop_reason == "end_turn"
 
 
-def test_system_as_a_string_or_blocks_and_stop_sequences(server, client):
+def test_system_as_a_string_or_blocks_stop_sequences_and_top_k(server, client):
     system = "You are a geography teacher."
     expected = greedy_text(server, chat_prompt(server, [{"role": "system", "content": system}, *ASK]), 32)
     assert create(client, system=system).content[0].text == expected
@@ -75,6 +75,8 @@ def test_system_as_a_string_or_blocks_and_stop_sequences(server, client):
     assert stopped.content[0].text == expected[:expected.index(word)]
     assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", word)
     assert create(client, max_tokens=2).stop_reason == "max_tokens"
+    one = create(client, system=system, extra_body={"temperature": 1.0, "top_k": 1})        # sampling among one
+    assert one.content[0].text == expected
 
 
 def test_tool_use_then_tool_result_then_the_answer(server, client):
