@@ -61,6 +61,18 @@ def test_paris_streamed_and_not_are_the_engines_greedy_text(server, client):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == len(prompt) // PAGE * PAGE   # the same prompt again
 
 
+def test_content_as_text_parts_is_their_lines_and_a_system_message_reaches_the_template(server, client):
+    """Text parts join with newlines, as vLLM joins them."""
+    system, lines = "You are a geography teacher.", ["Answer in one sentence.", QUESTION]
+    as_strings = [{"role": "system", "content": system}, {"role": "user", "content": "\n".join(lines)}]
+    as_parts = [{"role": "system", "content": [{"type": "text", "text": system}]},
+                {"role": "user", "content": [{"type": "text", "text": line} for line in lines]}]
+    expected = greedy_text(server, chat_prompt(server, as_strings), 24)
+    reply = chat(client, as_parts, max_tokens=24)
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.prompt_tokens == len(chat_prompt(server, as_strings)) != len(chat_prompt(server, ASK))
+
+
 def test_stop_cuts_the_text(server, client):
     text = greedy_text(server, chat_prompt(server, ASK), 32)
     cut = text[:text.index(" Paris")]
