@@ -251,14 +251,15 @@ def test_presence_and_frequency_penalties_are_the_engines_greedy_decode_with_the
     assert tok.decode(reply) != greedy_text(server, prompt, 24)        # the penalties changed the reply
 
 
-def test_top_k_1_and_min_p_1_sample_the_greedy_text(server, client):
-    """Sampling at temperature 1 keeps only the likeliest token under top_k 1 (an extra, as in vLLM)
-    or min_p 1; without them the same seed gives another text."""
+def test_top_k_1_min_p_1_and_a_tiny_top_p_sample_the_greedy_text(server, client):
+    """Sampling at temperature 1 keeps only the likeliest token under top_k 1 or min_p 1 (extras, as
+    in vLLM) or a top_p below its probability; without them the same seed gives another text."""
     ask = [{"role": "user", "content": "Write a short poem about the sea."}]
     greedy = greedy_text(server, chat_prompt(server, ask), 24)
-    sampled = {name: chat(client, ask, max_tokens=24, temperature=1.0, seed=5, extra_body=extra).choices[0].message.content
-               for name, extra in (("top_k", {"top_k": 1}), ("min_p", {"min_p": 1.0}), ("plain", {}))}
-    assert sampled["top_k"] == sampled["min_p"] == greedy != sampled["plain"]
+    sampled = {name: chat(client, ask, max_tokens=24, temperature=1.0, seed=5, **kw).choices[0].message.content
+               for name, kw in (("top_k", {"extra_body": {"top_k": 1}}), ("min_p", {"extra_body": {"min_p": 1.0}}),
+                                ("top_p", {"top_p": 1e-6}), ("plain", {}))}
+    assert sampled["top_k"] == sampled["min_p"] == sampled["top_p"] == greedy != sampled["plain"]
 
 
 def test_completions_one_prompt_a_list_echo_and_logprobs(server, client):
