@@ -173,9 +173,10 @@ def measure(kind: str, path: str, runtime: Runtime, reference_runtime: Runtime |
                 r = run_batch(runtime, LOOPS[loop], n, tokens)
                 results.append((n * tokens / r["wall"] / base, r))
             ratio, r = sorted(results, key=lambda x: x[0])[len(results) // 2]
-            per_token = 1e3 / (n * tokens)
-            cpu = {"local": f"{per_token * r['host_cpu']:.2f} | {per_token * r['plane_cpu']:.2f}",
-                   "child": f"{per_token * r['host_cpu']:.2f} | –"}.get(path, "– | –")
+            ms = 1e3 / (n * tokens)                                    # seconds of the run -> ms a token
+            host = f"{ms * r['host_cpu']:.2f}" if path != "ray" else "–"             # this process's programs
+            plane = f"{ms * r['plane_cpu']:.2f}" if path == "local" else "–"         # its data plane is here
+            cpu = f"{host} | {plane}"
             rows.append(f"| {kind} | {path} | {loop} | {n} | {n * tokens / r['wall']:.1f} | {ratio:.2f} "
                         f"| {histogram(r['steps'])} | {cpu} |")
             print(rows[-1], flush=True)
