@@ -1,7 +1,6 @@
 """Compiled decode variants side by side: the GEMMs by inductor's C++ template (autotuned
-against oneDNN) or by oneDNN alone, the graph's calls from a C++ or a Python wrapper, decode
-attention by the C++ paged kernel, as fused multiply-sums or as batched matmuls, and the MLP's gate
-and up projections as two GEMMs or merged into one.
+against oneDNN) or by oneDNN alone, decode attention by the C++ paged kernel, as fused multiply-sums
+or as batched matmuls, and the MLP's gate and up projections as two GEMMs or merged into one.
 
     python bench/decode_forms.py [--batches 1,8,32] [--tokens 64] [--rounds 3] [--variants 0,6]
                                  [--out bench/RESULTS.md --title "..."]
@@ -9,7 +8,7 @@ and up projections as two GEMMs or merged into one.
 Each variant is an engine of its own (compiled graphs hold their frozen weights). Every round decodes
 once with every variant at every batch size, so load drift hits them alike; tokens/s are decode only
 (from each sequence's first token to the batch's last). Compiling takes most of the run: a minute or
-more per variant and batch size on 2 cores.
+more per variant and batch bucket on 2 cores (every bucket up to the largest batch).
 """
 from __future__ import annotations
 
@@ -27,10 +26,10 @@ from pie_actors.gpu.kernels.compiled_decode import CompiledDecode
 from pie_actors.gpu.engine import Engine
 
 PROMPT = "The capital of France is"
+PAGES = 1024                 # the KV pool; the worker's page past it is the scratch page
 VARIANTS = {
     "C++ GEMM, attention fused at batch 1, C++ kernel above (default)": {},
     "oneDNN GEMM, attention as default": {"gemm_autotune": False},
-    "C++ GEMM, attention as default, Python wrapper": {"cpp_wrapper": False},
     "C++ GEMM, C++ attention kernel at batch 1 too": {"fused_attention_max_batch": 0},
     "C++ GEMM, attention scores fused above batch 1, P·V matmul": {"batch_form": "fused_scores"},
     "C++ GEMM, attention as matmuls": {"batch_form": "matmul", "fused_attention_max_batch": 0},
@@ -53,15 +52,19 @@ def merge_gate_up(engine: Engine) -> None:
         mlp.forward = types.MethodType(_merged_mlp_forward, mlp)
 
 
-def variant_engine(threads: int, options: dict) -> Engine:
-    engine = Engine.from_model("smollm2-135m-instruct", device="cpu", dtype="bfloat16", compile=True,
-                               num_threads=threads)
+def variant_engine(threads: int, max_batch: int, options: dict) -> tuple[Engine, float]:
+    """An engine whose decode runs the variant's graphs, compiled now (a scratch folder each: no
+    variant loads another's), and the seconds its compile took."""
+    engine = Engine.from_model("smollm2-135m-instruct", device="cpu", dtype="bfloat16", compile="off",
+                               num_threads=threads, num_pages=PAGES)
     if options.pop("merged_gate_up", False):
         merge_gate_up(engine)
     w = engine.worker
-    options = {"batch_form": w.compiled.batch_form, **options}
-    w.compiled = CompiledDecode(w.model, w.kv_caches, w.page_size, w.compiled.scratch_page, **options)
-    return engine
+    options = {"batch_form": "kernel" if w.decode_form == "kernel" else "fused_scores", **options}
+    w.compiled = CompiledDecode(w.model, w.kv_caches, w.page_size, PAGES, None, max_batch=max_batch, **options)
+    t = time.perf_counter()
+    w.compiled.warm_up(progress=False)
+    return engine, time.perf_counter() - t
 
 
 def decode_tps(engine: Engine, prompts: list[list[int]], tokens: int) -> float:
@@ -83,16 +86,12 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
 
     chosen = [int(i) for i in args.variants.split(",")] if args.variants else range(len(VARIANTS))
-    engines = {name: variant_engine(args.threads, dict(options))
-               for i, (name, options) in enumerate(VARIANTS.items()) if i in chosen}
+    built = {name: variant_engine(args.threads, max(batches), dict(options))
+             for i, (name, options) in enumerate(VARIANTS.items()) if i in chosen}
+    engines = {name: engine for name, (engine, _) in built.items()}
+    compile_s = {name: seconds for name, (_, seconds) in built.items()}
     prompt = next(iter(engines.values())).tokenizer.encode(PROMPT)
     prompts = {b: [prompt + [i] for i in range(b)] for b in batches}
-    compile_s = {name: 0.0 for name in engines}
-    for name, engine in engines.items():
-        for b in batches:                             # the first call at a batch size compiles its bucket
-            t = time.perf_counter()
-            engine.generate(prompts[b], 4, ignore_eos=True)
-            compile_s[name] += time.perf_counter() - t
     speeds = {(name, b): [] for name in engines for b in batches}
     for _ in range(args.rounds):
         for b in batches:
@@ -107,7 +106,7 @@ def main() -> None:
         cells = [f"{medians[name, b]:.1f} ({medians[name, b] / medians[default, b]:.2f}x)" for b in batches]
         rows.append(f"| {name} | " + " | ".join(cells) + f" | {compile_s[name]:.0f} |")
     env = (f"bf16 default model, {args.tokens} tokens a sequence, decode only, {args.threads} threads, "
-           f"median of {args.rounds} interleaved rounds; compile s: the first call at each batch size; "
+           f"median of {args.rounds} interleaved rounds; compile s: every bucket up to the largest batch; "
            f"1-min load average {os.getloadavg()[0]:.1f} at the end")
     publish(env, "\n".join(rows) + "\n", args.out, args.title)
 

@@ -79,7 +79,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="cpu, cuda, cuda:N (default: config)")
     parser.add_argument("--dtype", help="float32, bfloat16, float16 (default: config)")
     parser.add_argument("--compile", choices=("auto", "on", "off"),
-                        help="decode through torch.compile (default: config, auto: for engines that serve for long)")
+                        help="decode through compiled graphs (default: config, auto: for engines that serve for long)")
 
 
 def _engine_settings(args: argparse.Namespace) -> dict:

@@ -61,11 +61,11 @@ class EngineConfig:
     replicas: int = _doc("engines of this model a Ray cluster runs, one per node while there are nodes "
                          "(GPU nodes on CUDA); each process uses one, its own node's when there is one",
                          default=1)
-    compile: str = _doc('run decode batches through torch.compile: "on", "off", or "auto" (engines that serve '
-                        "for long, pie serve's and the cluster's, compile on CUDA and on CPUs with AVX2 or "
-                        "better; one-shot runs on CUDA once their graphs are cached). Each batch-size bucket "
-                        "compiles once at start, a minute or more on a CPU; the caches live under "
-                        "$PIE_HOME/cache", default="auto")
+    compile: str = _doc('run decode batches through compiled graphs: "on", "off", or "auto" (engines that '
+                        "serve for long, pie serve's and the cluster's, compile on CUDA and on CPUs with AVX2 "
+                        "or better; one-shot runs once their graphs are compiled on this machine). Each "
+                        "batch-size bucket compiles once (minutes on a CPU) into a package under "
+                        "$PIE_HOME/cache/compiled that later starts load", default="auto")
     compile_max_batch: int = _doc("the largest decode batch (lanes) that runs compiled; larger ones run eager",
                                   default=64)
     num_threads: int = _doc("CPU threads for the model; 0: every core this process may use", default=0)

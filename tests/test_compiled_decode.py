@@ -1,6 +1,8 @@
-"""Compiled decode graphs give the eager engine's tokens and logits (tiny model: compiles in seconds)."""
+"""Compiled decode graphs give the eager engine's tokens and logits (a tiny model, so that a bucket
+compiles in about a minute)."""
 from __future__ import annotations
 
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,56 +27,68 @@ def _decode_logits(engine: Engine, prompts: list[list[int]], steps: int) -> list
     return out
 
 
-def test_compiled_decode_matches_eager(tmp_path):
+KW = dict(device="cpu", dtype="float32", num_pages=64, page_size=4)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """A tiny model, an eager engine of it, and a compiled one (buckets 1, 2 and 4) whose packages
+    went into a PIE_HOME of this module's."""
+    root = tmp_path_factory.mktemp("compiled")
+    folder = save_tiny_model("qwen3", root / "m")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PIE_HOME", str(root / "home"))
+        eager = Engine.from_model(str(folder), compile=False, **KW)
+        engine = Engine.from_model(str(folder), compile=True, compile_max_batch=4, **KW)
+        yield folder, root / "home", eager, engine
+
+
+def test_compiled_decode_matches_eager(compiled):
     """Every bucket gives the eager engine's logits: one lane (bucket 1: decode attention as
-    multiply-sums), two from a first page that is still filling (bucket 2) and three (bucket 4),
-    both through the C++ paged attention kernel."""
+    multiply-sums), two from a first page that is still filling (bucket 2) and three (bucket 4, a
+    padding lane), both through the C++ paged attention kernel."""
+    _, _, eager, engine = compiled
     assert FUSED_ATTENTION_MAX_BATCH == 1              # bucket 1 alone takes the multiply-sums form
-    folder = save_tiny_model("qwen3", tmp_path / "m")
-    kw = dict(device="cpu", dtype="float32", num_pages=64, page_size=4)
-    eager = Engine.from_model(str(folder), compile=False, **kw)
-    compiled = Engine.from_model(str(folder), compile=True, compile_max_batch=4, **kw)
-    assert eager.worker.decode_form == compiled.worker.compiled.batch_form == "kernel"
+    assert eager.worker.decode_form == engine.worker.compiled.batch_form == "kernel"
     # every bucket up to the largest compiled batch was compiled at start
-    assert compiled.worker.compiled.batch_sizes == {b for b in BATCH_BUCKETS if b <= 4} == {1, 2, 4}
+    assert engine.worker.compiled.compiled_now == [b for b in BATCH_BUCKETS if b <= 4] == [1, 2, 4]
+    assert set(engine.worker.compiled.graphs) == {1, 2, 4}
     g = torch.Generator().manual_seed(0)
-    torch._dynamo.utils.counters.clear()
     for lengths in ((9,), (2, 1), (3, 9, 14)):
         prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
-        for w, c in zip(_decode_logits(eager, prompts, 12), _decode_logits(compiled, prompts, 12)):
+        for w, c in zip(_decode_logits(eager, prompts, 12), _decode_logits(engine, prompts, 12)):
             torch.testing.assert_close(c, w, atol=1e-4, rtol=1e-4)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0    # no compile while serving
-    compiled.kv.check()
+    # each prompt's first step is a prefill (eager), its 11 others one bucket's graph
+    assert engine.worker.compiled.runs == {1: 11, 2: 11, 4: 11}
+    engine.kv.check()
 
 
-def test_compiled_decode_with_the_speed_edits_off_matches_eager(tmp_path):
+def test_compiled_decode_with_the_speed_edits_off_matches_eager(compiled):
     """The CPU speed edits (huge pages, the AMX GEMM template edits) have switches; off, the
     compiled engine gives the eager engine's logits all the same."""
-    folder = save_tiny_model("qwen3", tmp_path / "m")
-    kw = dict(device="cpu", dtype="float32", num_pages=64, page_size=4, hugepages=False)
-    eager = Engine.from_model(str(folder), **kw)
+    folder, _, eager, _ = compiled
     # one bucket: the switches change how the graph is built, not which buckets there are
-    compiled = Engine.from_model(str(folder), compile=True, compile_max_batch=1, amx_gemm_edits=False, **kw)
-    assert not compiled.worker.compiled.hugepages and not compiled.worker.compiled.amx_gemm_edits
+    engine = Engine.from_model(str(folder), compile=True, compile_max_batch=1, amx_gemm_edits=False,
+                               hugepages=False, **KW)
+    assert engine.worker.compiled.compiled_now == [1] and not engine.worker.compiled.amx_gemm_edits
     prompts = [[5, 6, 7]]
-    for w, c in zip(_decode_logits(eager, prompts, 6), _decode_logits(compiled, prompts, 6)):
+    for w, c in zip(_decode_logits(eager, prompts, 6), _decode_logits(engine, prompts, 6)):
         torch.testing.assert_close(c, w, atol=1e-4, rtol=1e-4)
 
 
-def test_two_compiled_engines_in_one_process_keep_their_own_weights(tmp_path):
-    """Compiled graphs hold frozen weights and skip module guards: a second engine of the same
-    shapes must not run the first one's graphs."""
-    first, second = save_tiny_model("qwen3", tmp_path / "a", seed=0), save_tiny_model("qwen3", tmp_path / "b", seed=1)
-    kw = dict(device="cpu", dtype="float32", num_pages=64, page_size=4, compile_max_batch=1)
+def test_two_compiled_models_of_the_same_shapes_keep_their_own_weights(compiled, tmp_path):
+    """A package holds its model's frozen weights: a second model of the same shapes gets packages
+    of its own, not the first one's."""
+    _, _, _, first = compiled
+    folder = save_tiny_model("qwen3", tmp_path / "b", seed=1)
+    second = Engine.from_model(str(folder), compile=True, compile_max_batch=1, **KW)
+    assert second.worker.compiled.compiled_now == [1]
     prompts = [[5, 6, 7]]                  # one lane: every step runs the compiled bucket-1 graph
-    results = {}
-    for name, folder in (("a", first), ("b", second)):
-        compiled = Engine.from_model(str(folder), compile=True, **kw)
-        results[name] = _decode_logits(compiled, prompts, 4)
-    want_b = _decode_logits(Engine.from_model(str(second), compile=False, **kw), prompts, 4)
-    for w, c in zip(want_b, results["b"]):
+    want = _decode_logits(Engine.from_model(str(folder), compile=False, **KW), prompts, 4)
+    got = _decode_logits(second, prompts, 4)
+    for w, c in zip(want, got):
         torch.testing.assert_close(c, w, atol=1e-4, rtol=1e-4)
-    assert not torch.allclose(results["a"][-1], results["b"][-1])
+    assert not torch.allclose(_decode_logits(first, prompts, 4)[-1], got[-1])
 
 
 def test_amx_gemm_edits_fits_this_torch():
@@ -102,35 +116,40 @@ def test_amx_gemm_edits_compiles_into_amx_gemms_and_keeps_results():
 
 START = """
 import json, sys
+import torch
 from pie_actors.gpu.engine import Engine          # first: it points inductor's caches at $PIE_HOME
-from torch._dynamo.utils import counters
-engine = Engine.from_model(sys.argv[1], device="cpu", dtype="float32", num_pages=32, page_size=4,
-                           compile=sys.argv[2], compile_max_batch=1, progress=False)
-print(json.dumps({"compiled": engine.worker.compiled is not None,
-                  "autotuned": counters["inductor"]["select_algorithm_autotune"]}))
+from tests.test_compiled_decode import _decode_logits
+kw = dict(device="cpu", dtype="float32", num_pages=32, page_size=4, compile_max_batch=4)   # another pool size
+engine = Engine.from_model(sys.argv[1], compile=sys.argv[2], progress=False, **kw)
+compiled = engine.worker.compiled
+eager = Engine.from_model(sys.argv[1], compile="off", **kw)
+prompts = [[5, 6, 7], [8, 9], [10]]                   # three lanes: bucket 4
+got, want = _decode_logits(engine, prompts, 4), _decode_logits(eager, prompts, 4)
+print(json.dumps({"compiled": compiled.compiled_now if compiled else None,
+                  "loaded": sorted(set(compiled.graphs) - set(compiled.compiled_now)) if compiled else None,
+                  "runs": dict(compiled.runs) if compiled else None,
+                  "matches": all(torch.allclose(g, w, atol=1e-4, rtol=1e-4) for g, w in zip(got, want))}))
 """
 
 
-def test_a_compiled_engines_second_start_reuses_the_caches(tmp_path):
-    """Caches live under $PIE_HOME/cache: the second start of the same model skips the GEMM
-    autotuning (counted by inductor). A one-shot CPU engine with compile "auto" stays eager (its
-    graphs would be compiled again at every start)."""
+def test_a_second_start_loads_the_packages_and_compiles_nothing(compiled, tmp_path):
+    """Compiled buckets are packages under $PIE_HOME/cache: a second start of the same model (a
+    fresh process) loads them, compiles nothing, and gives the eager engine's logits. A one-shot
+    CPU engine with compile "auto" stays eager until the packages are there, then uses them."""
     import json
     import os
     import subprocess
     import sys
 
-    folder = save_tiny_model("qwen3", tmp_path / "m")
+    folder, home, _, _ = compiled
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
-    env["PIE_HOME"] = str(tmp_path / "home")
 
-    def start(compile: str) -> dict:
-        out = subprocess.run([sys.executable, "-c", START, str(folder), compile], env=env, capture_output=True,
-                             text=True, timeout=600)
+    def start(compile: str, home: Path) -> dict:
+        out = subprocess.run([sys.executable, "-c", START, str(folder), compile], env={**env, "PIE_HOME": str(home)},
+                             capture_output=True, text=True, timeout=600, cwd=Path(__file__).parent.parent)
         assert out.returncode == 0, out.stderr[-2000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    assert start("auto") == {"compiled": False, "autotuned": 0}     # one-shot, nothing cached: eager
-    cold = start("on")
-    assert cold["compiled"] and cold["autotuned"] > 0 and (tmp_path / "home" / "cache" / "inductor").is_dir()
-    assert start("on") == {"compiled": True, "autotuned": 0}           # the autotuning is cached
+    assert list((home / "cache" / "compiled").glob("*/bucket-4.pt2"))
+    assert start("auto", tmp_path / "empty") == {"compiled": None, "loaded": None, "runs": None, "matches": True}
+    assert start("auto", home) == {"compiled": [], "loaded": [1, 2, 4], "runs": {"4": 3}, "matches": True}

@@ -137,12 +137,3 @@ assert torch.equal(t, torch.arange(16 * 2**20, dtype=torch.float32))   # content
     if "[madvise]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
         assert _huge_pages_gained(code.format("")) < 32 * 1024   # small pages unless asked
     assert _huge_pages_gained(code.format("hugepages.advise([t])")) >= 32 * 1024
-
-
-def test_cpu_tensors_finds_tensors_and_skips_opaque_ones():
-    big = torch.zeros(1 << 16)                             # 256 KiB
-    packed = torch.zeros(512, 512).to_mkldnn()             # oneDNN's packed layout: no storage
-    found = hugepages.cpu_tensors()
-    assert any(t is big for t in found) and not any(t is packed for t in found)
-    hugepages.advise(found)                                # contents are kept
-    assert not big.any()

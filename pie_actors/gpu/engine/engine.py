@@ -39,23 +39,22 @@ def _free_port() -> int:
 
 
 def _compile_key(config: EngineConfig, model_dir: Path, device: torch.device, dtype: torch.dtype) -> dict:
-    """What a compiled decode step depends on, as the key of its warm-up marker."""
+    """What a compiled decode step depends on: the key of the folder its packages live in."""
     weights = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model_dir.glob("*.safetensors"))
     return {"model": str(model_dir.resolve()), "weights": weights, "dtype": str(dtype), "device": device.type,
             "torch": torch.__version__, "isa": torch.backends.cpu.get_cpu_capability(),
-            **{k: getattr(config, k) for k in ("page_size", "compile_max_batch", "hugepages", "amx_gemm_edits")}}
+            **{k: getattr(config, k) for k in ("page_size", "hugepages", "amx_gemm_edits")}}
 
 
 def _compiles(config: EngineConfig, device: torch.device, long_lived: bool, key: dict) -> bool:
     """compile "on" / "off" as said; "auto": where it pays (CUDA, CPUs with AVX2 or better; not across
-    tensor-parallel ranks), for engines that serve for long, and on CUDA for others too once their
-    compile is cached here. A CPU graph holds oneDNN-packed weights, which inductor's graph cache
-    cannot keep, so a CPU engine's second start compiles again (bench/RESULTS.md, "Compiled engine
-    start"): one-shots there stay eager."""
+    tensor-parallel ranks), for engines that serve for long, and for others too once every bucket
+    they would compile is compiled on this machine (a start then loads them: bench/RESULTS.md,
+    "Compiled engine start")."""
     if config.compile != "auto":
         return config.compile == "on"
     pays = device.type == "cuda" or torch.backends.cpu.get_cpu_capability().lower() in ("avx2", "avx512")
-    cached = device.type == "cuda" and compiled_decode.is_cached(key)
+    cached = compiled_decode.is_cached(key, config.compile_max_batch)
     return pays and config.tp == 1 and (long_lived or cached)
 
 
@@ -124,10 +123,11 @@ class Engine:
             remote = start_remote_ranks(config, str(model_dir), dev, dt, num_pages, init)
             comm = join_group(0, config.tp, init, dev)
         key = _compile_key(config, model_dir, dev, dt)
+        packages = compiled_decode.package_dir(key) if _compiles(config, dev, long_lived, key) else None
         worker = Worker(model_dir, config, device=dev, dtype=dt, num_pages=num_pages, comm=comm,
-                        compile=_compiles(config, dev, long_lived, key))
+                        packages=packages)
         if worker.compiled is not None:
-            worker.compiled.warm_up(key, progress)
+            worker.compiled.warm_up(progress)
         return cls(worker, KVStore(num_pages, config.page_size, config.prefix_cache), config, tokenizer,
                    remote)
 

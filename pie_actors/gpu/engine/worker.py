@@ -44,7 +44,9 @@ class Worker:
     """One rank: the model shard plus per-layer K and V caches of shape [kv_heads, num_pages * page_size, head_dim]."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig, *, device: torch.device,
-                 dtype: torch.dtype, num_pages: int, comm: Comm | None = None, compile: bool = False):
+                 dtype: torch.dtype, num_pages: int, comm: Comm | None = None, packages: Path | None = None):
+        """`packages`: the folder of this engine's compiled decode buckets (compiled_decode.py); None
+        runs decode eager."""
         if device.type == "cpu":   # Ray sets OMP_NUM_THREADS=1 inside actors: say how many we use
             torch.set_num_threads(config.num_threads or _cores())
         self.comm = comm or Comm()
@@ -74,11 +76,11 @@ class Worker:
                       and cpu_kernels.load())
         self.decode_form = "kernel" if use_kernel else "matmul"
         # Compiled decode graphs would need traceable collectives; tensor-parallel ranks run eager.
-        self.compiled = (CompiledDecode(self.model, self.kv_caches, self.page_size, num_pages,
+        self.compiled = (CompiledDecode(self.model, self.kv_caches, self.page_size, num_pages, packages,
                                         batch_form="kernel" if use_kernel else "fused_scores",
-                                        hugepages=use_hugepages, amx_gemm_edits=config.amx_gemm_edits,
+                                        amx_gemm_edits=config.amx_gemm_edits,
                                         max_batch=config.compile_max_batch)
-                         if compile and self.comm.world_size == 1 else None)
+                         if packages and self.comm.world_size == 1 else None)
 
     @torch.inference_mode()
     def execute(self, plan: BatchPlan) -> torch.Tensor:

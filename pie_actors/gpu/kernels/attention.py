@@ -121,7 +121,7 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 
     "matmul": two batched matmuls (over Hkv x B, on the gathered K/V as they are: no copy) and a
     softmax, instead of SDPA, whose flash kernel has ~70 us of fixed cost a layer for one query row.
-    "fused_scores" / "fused": the scores / also P·V as broadcast multiply-sums, for torch.compile to
+    "fused_scores" / "fused": the scores / also P·V as broadcast multiply-sums, for inductor to
     fuse (see `AttentionMetadata.decode_form`)."""
     b, hq, d = q.shape
     hkv = k.shape[0]
@@ -145,7 +145,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Writes this batch's K/V into the cache first, so a lane attends to its own new rows too.
     """
-    k_cache[:, meta.write_slots] = k.transpose(0, 1)    # index_put: stays in place under torch.compile
+    k_cache[:, meta.write_slots] = k.transpose(0, 1)    # index_put: stays in place when compiled
     v_cache[:, meta.write_slots] = v.transpose(0, 1)
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]

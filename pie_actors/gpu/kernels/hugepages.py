@@ -10,7 +10,6 @@ MADV_COLLAPSE (Linux 6.1+) rebuilds memory already in use. Where neither works, 
 from __future__ import annotations
 
 import ctypes
-import gc
 import sys
 from typing import Iterable
 
@@ -51,13 +50,3 @@ def advise(tensors: Iterable[torch.Tensor]) -> None:
     pages = sorted({page for t in tensors if t.device.type == "cpu" for page in _pages(t)})
     _madvise(pages, _MADV_HUGEPAGE)
     _madvise(pages, _MADV_COLLAPSE)
-
-
-def cpu_tensors(min_bytes: int = 1 << 16) -> list[torch.Tensor]:
-    """Every CPU tensor of the process held by a Python object, with a storage of at least
-    `min_bytes`. torch.compile's frozen, prepacked weights are tensors inductor allocates during a
-    compile and hands out no other way."""
-    return [o for o in gc.get_objects()
-            if type(o) in (torch.Tensor, torch.nn.Parameter) and o.device.type == "cpu"
-            and o.layout == torch.strided      # not oneDNN's opaque packed weights: no storage
-            and o.untyped_storage().nbytes() >= min_bytes]

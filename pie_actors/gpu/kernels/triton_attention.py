@@ -59,7 +59,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = hq // hkv
     q = q.contiguous()
     out = torch.empty_like(q)
-    _paged_decode_kernel[(b, hkv)](
+    # wrap_triton: torch.export traces the launch into the graph (compiled_decode.py) instead of running it
+    torch.library.wrap_triton(_paged_decode_kernel)[(b, hkv)](
         q, k_cache, v_cache, out, pages, lengths, d ** -0.5,
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(0), pages.stride(0),
         GROUP=group, BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=d, PAGE=page_size)
