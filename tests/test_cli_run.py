@@ -74,21 +74,6 @@ def test_missing_inferlet_is_one_clear_line(default_model_dir):
     assert "Traceback" not in out.stderr
 
 
-def test_a_bundle_with_its_own_module_builds_and_runs(default_model_dir, tmp_path):
-    bundle = tmp_path / "bundle"
-    bundle.mkdir()
-    (bundle / "greeting.py").write_text("def greet(name):\n    return 'hello ' + name\n")
-    (bundle / "main.py").write_text("from inferlet import model\nfrom greeting import greet\n\n"
-                                    "async def main(input):\n"
-                                    "    return {'msg': greet(input['name']), 'n': len(model.encode('hi'))}\n")
-    pie = Path(sys.executable).parent / "pie"
-    built = subprocess.run([str(pie), "build", str(bundle)], capture_output=True, text=True, timeout=300)
-    assert built.returncode == 0 and "greeting" in built.stdout, built.stderr
-    out = _pie_run(default_model_dir, str(bundle), "--", "--name", "pie")    # shipped to a Ray actor
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout.strip()) == {"msg": "hello pie", "n": 1}
-
-
 def test_input_arguments_parse_as_json_when_they_can():
     assert parse_inputs(["--question", "What is 2+2?", "--n", "3", "--t", "0.5", "--stream",
                          "--tags", '["a", "b"]']) == \
@@ -168,22 +153,33 @@ def test_pie_client_submits_to_a_running_server_and_talks_to_its_processes(defau
 
 def test_pie_run_joins_a_kept_cluster_and_its_engine_stays(default_model_dir, tmp_path):
     """`ray start --head` keeps a cluster up between commands: each `pie run` joins it, and the
-    Controller keeps the model's engine, so the second run starts none."""
+    Controller keeps the model's engine, so the second run starts none. The second is a built
+    bundle with a module of its own, shipped to the cluster's inferlet actor."""
     bin_dir = Path(sys.executable).parent
     env = dict(os.environ, PIE_HOME=str(default_model_dir.parent.parent), RAY_AUTH_MODE="disabled")
     env.pop("RAY_ADDRESS", None)
     prog = tmp_path / "name.py"
     prog.write_text("from inferlet import model\n\nasync def main(input):\n    return {'model': model.name()}\n")
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "greeting.py").write_text("def greet(name):\n    return 'hello ' + name\n")
+    (bundle / "main.py").write_text("from inferlet import model\nfrom greeting import greet\n\n"
+                                    "async def main(input):\n"
+                                    "    return {'msg': greet(input['name']), 'model': model.name()}\n")
+    built = subprocess.run([str(bin_dir / "pie"), "build", str(bundle)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0 and "greeting" in built.stdout, built.stderr
     status = ("import json, ray; from pie_actors.controller import NAME, NAMESPACE; ray.init(address='auto'); "
               "print(json.dumps(ray.get(ray.get_actor(NAME, namespace=NAMESPACE).status.remote())))")
     subprocess.run([str(bin_dir / "ray"), "start", "--head", "--num-cpus", "2", "--include-dashboard=false"],
                    check=True, capture_output=True, timeout=120, env=env)
     try:
-        for _ in range(2):
-            run = subprocess.run([str(bin_dir / "pie"), "run", "--dtype", "float32", "--compile", "off", str(prog)],
+        runs = ([str(prog)], {"model": "smollm2-135m-instruct"}), \
+               ([str(bundle), "--", "--name", "pie"], {"msg": "hello pie", "model": "smollm2-135m-instruct"})
+        for args, want in runs:
+            run = subprocess.run([str(bin_dir / "pie"), "run", "--dtype", "float32", "--compile", "off", *args],
                                  capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
             assert run.returncode == 0, run.stderr[-2000:]
-            assert json.loads(run.stdout.strip().splitlines()[-1]) == {"model": "smollm2-135m-instruct"}
+            assert json.loads(run.stdout.strip().splitlines()[-1]) == want
         after = json.loads(subprocess.run([sys.executable, "-c", status], capture_output=True, text=True,
                                           timeout=120, env=env, check=True).stdout.strip().splitlines()[-1])
         assert list(after["engines"]) == ["smollm2-135m-instruct"] and after["launches"] == 2
