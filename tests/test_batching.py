@@ -72,8 +72,8 @@ def test_concurrent_one_pass_per_token_programs_share_every_decode_step(runtime)
     _lockstep(runtime, prompts)      # the engine learns how long these hosts take to come back
     together, batches = _lockstep(runtime, prompts)
     assert together[:2] == alone                       # each gets what it gets alone
-    assert together == [runtime.engine.generate([runtime.engine.tokenizer.encode(p)], TOKENS,
-                                                ignore_eos=True)[0] for p in prompts]
+    tokenizer = runtime.engine.tokenizer
+    assert together == runtime.engine.generate([tokenizer.encode(p) for p in prompts], TOKENS, ignore_eos=True)
     steps = sum(batches.values())
     assert batches.get(N, 0) >= 0.9 * steps, batches    # decode steps of all N programs at once
 
