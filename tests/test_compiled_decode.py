@@ -126,7 +126,7 @@ eager = Engine.from_model(sys.argv[1], compile="off", **kw)
 prompts = [[5, 6, 7], [8, 9], [10]]                   # three lanes: bucket 4
 got, want = _decode_logits(engine, prompts, 4), _decode_logits(eager, prompts, 4)
 print(json.dumps({"compiled": compiled.compiled_now if compiled else None,
-                  "loaded": sorted(set(compiled.graphs) - set(compiled.compiled_now)) if compiled else None,
+                  "loaded": compiled.loaded if compiled else None,
                   "runs": dict(compiled.runs) if compiled else None,
                   "matches": all(torch.allclose(g, w, atol=1e-4, rtol=1e-4) for g, w in zip(got, want))}))
 """

@@ -43,7 +43,7 @@ def _compile_key(config: EngineConfig, model_dir: Path, device: torch.device, dt
     weights = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model_dir.glob("*.safetensors"))
     return {"model": str(model_dir.resolve()), "weights": weights, "dtype": str(dtype), "device": device.type,
             "torch": torch.__version__, "isa": torch.backends.cpu.get_cpu_capability(),
-            **{k: getattr(config, k) for k in ("page_size", "hugepages", "amx_gemm_edits")}}
+            **{k: getattr(config, k) for k in ("page_size", "amx_gemm_edits")}}
 
 
 def _compiles(config: EngineConfig, device: torch.device, long_lived: bool, key: dict) -> bool:
