@@ -77,6 +77,21 @@ def test_mixed_prefill_and_decode_in_one_batch(engine):
     engine.free(seq_a), engine.free(seq_b)
 
 
+def test_a_lane_with_an_empty_readout_gives_no_rows(engine):
+    """readout [] reads out none of a lane's rows (the data plane counts a pass's rows the same way);
+    the lane's KV is still written."""
+    tok = engine.tokenizer
+    a, b = tok.encode(PROMPTS[0]), tok.encode(PROMPTS[3])
+    seq_a, seq_b = engine.create_sequence(), engine.create_sequence()
+    f = engine.submit(PassRequest([Lane(seq_a, a, readout=[]), Lane(seq_b, b, readout=[0, len(b) - 1])]))
+    engine.run_until_idle()
+    logits = f.result()
+    assert logits.shape == (2, engine.cfg.vocab_size)
+    assert int(logits[1].argmax()) == engine.generate([b], 1, ignore_eos=True)[0][0]
+    assert engine.seq_state(seq_a)["length"] == len(a)
+    engine.free(seq_a), engine.free(seq_b)
+
+
 def test_prefix_sharing_reuses_pages_and_keeps_outputs(engine):
     tok = engine.tokenizer
     common = (tok.encode("Here is a long shared context about the history of computing. ") * 20)[:200]

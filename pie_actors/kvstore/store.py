@@ -11,6 +11,7 @@ import itertools
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .pool import InvalidSlot, KVStoreError, OutOfPages, PagePool, QuotaExceeded, UnknownSequence
 from .prefix import ROOT, chain_key
@@ -23,8 +24,7 @@ class AppendPlan:
     start: int  # sequence index (== position) of the first remaining token
 
 
-@dataclass(frozen=True)
-class Mark:
+class Mark(NamedTuple):        # a tuple: one is taken per lane per batch, on the hot path
     seq: int
     length: int
     folded: int
@@ -120,30 +120,35 @@ class KVStore:
         leaving at least one token to compute); they count into cached_tokens and are frozen at
         once. Pages for the rest are allocated. All or nothing on OutOfPages."""
         s = self._get(seq)
-        hits = self._prefix_hits(s, tokens) if reuse_prefix and canonical else []
-        reused = len(hits) * self.page_size
-        end = s.length + len(tokens)
-        need = max(0, self._pages_for(end) - len(s.pages) - len(hits))
-        if s.counted:
-            self._check_bound(seq, s.root, need, [page for page, _ in hits])
-        # Revived pages leave the eviction queue, so they cannot also be evicted to pay for `need`.
-        available = self._pool.available() - sum(self._pool.is_cached(page) for page, _ in hits)
-        if need > available and self.reclaim is not None:
-            self.reclaim(need - available)
+        ps = self.page_size
+        # only a run of more than a page can hit a whole page and still leave a row to compute
+        hits = self._prefix_hits(s, tokens) if reuse_prefix and canonical and len(tokens) > ps else []
+        start = s.length
+        end = start + len(tokens)
+        need = max(0, -(-end // ps) - len(s.pages) - len(hits))
+        if need or hits:
+            if s.counted:
+                self._check_bound(seq, s.root, need, [page for page, _ in hits])
+            # Revived pages leave the eviction queue, so they cannot also be evicted to pay for `need`.
             available = self._pool.available() - sum(self._pool.is_cached(page) for page, _ in hits)
-        if need > available:
-            raise OutOfPages(f"sequence {seq}: need {need} new pages, {available} available")
-        for page, key in hits:
-            self._pool.incref(page)
-            s.pages.append(page)
-            s.keys.append(key)
-        s.pages += self._pool.allocate(need)
-        start = s.length + reused
+            if need > available and self.reclaim is not None:
+                self.reclaim(need - available)
+                available = self._pool.available() - sum(self._pool.is_cached(page) for page, _ in hits)
+            if need > available:
+                raise OutOfPages(f"sequence {seq}: need {need} new pages, {available} available")
+            for page, key in hits:
+                self._pool.incref(page)
+                s.pages.append(page)
+                s.keys.append(key)
+            s.pages += self._pool.allocate(need)
+        reused = len(hits) * ps
+        start += reused
         s.tokens += tokens
         s.folded += reused
         s.cached_tokens += reused
         s.canonical = s.canonical and canonical
-        return AppendPlan(reused=reused, slots=self._global(s, range(start, end)), start=start)
+        pages = s.pages
+        return AppendPlan(reused, [pages[i // ps] * ps + i % ps for i in range(start, end)], start)
 
     def _prefix_hits(self, s: _Seq, tokens: list[int]) -> list[tuple[int, int]]:
         """(page, key) of indexed pages matching the leading full pages of ``tokens`` after ``s``."""

@@ -281,16 +281,19 @@ class Scheduler:
             first = self._turn % len(owners)
             self._turn += 1
             owners = owners[first:] + owners[:first]
-        waiting: dict[int | None, deque[PassRequest]] = {owner: deque() for owner in queues}
+        waiting: dict[int | None, deque[PassRequest]] = {}
         for req in _round_robin([queues[owner] for owner in owners], self.max_batch_tokens):
             seqs = [lane.seq for lane in req.lanes]
-            n_tokens = sum(len(lane.tokens) for lane in req.lanes)
+            n_tokens = 0
+            for lane in req.lanes:
+                n_tokens += len(lane.tokens)
             # A pass with adapters runs in a batch of its own: its adapter code runs inside the
             # model, where a failure fails the whole batch.
             full = len(plan.input_ids) + n_tokens > self.max_batch_tokens
             alone = bool(req.adapters or plan.adapters)
-            if busy.intersection(seqs) or (planned and (alone or full)):
-                waiting[req.owner].append(req)     # next batch: keeps each sequence's passes in order
+            if not busy.isdisjoint(seqs) or (planned and (alone or full)):
+                # next batch: keeps each sequence's passes in order
+                waiting.setdefault(req.owner, deque()).append(req)
                 req.waited += 1
                 busy.update(seqs)
                 continue
@@ -300,11 +303,13 @@ class Scheduler:
                 busy.update(seqs)
             except PASS_ERRORS as e:
                 self.fail(req, e)
-        for owner in queues:                       # the passes not looked at follow the deferred ones
-            rest = waiting[owner]
-            rest.extend(queues[owner])
-            if rest:
-                self.pending[owner] = rest
+        for owner, queue in queues.items():        # the passes not looked at follow the deferred ones
+            rest = waiting.get(owner)
+            if rest is not None:
+                rest.extend(queue)
+                queue = rest
+            if queue:
+                self.pending[owner] = queue
         return planned, plan, handled
 
     def fail(self, req: PassRequest, error: Exception) -> None:
@@ -328,14 +333,14 @@ class Scheduler:
     def _plan_pass(self, req: PassRequest, plan: BatchPlan) -> Planned:
         if not req.lanes:
             raise PassError("a forward pass needs at least one lane")
-        if len({lane.seq for lane in req.lanes}) != len(req.lanes):
+        if len(req.lanes) > 1 and len({lane.seq for lane in req.lanes}) != len(req.lanes):
             raise PassError("two lanes of one pass update the same sequence")
         if req.repeat is not None:
             req.repeat.lengths.append({lane.seq: self.kv.length(lane.seq) for lane in req.lanes})
             req.repeat.channels.append(self.channels.snapshot(req.channels))
         if req.prologue is not None:
             req.prologue()
-        lanes = [self._take_tokens(lane) for lane in req.lanes]
+        lanes = [lane if lane.tokens_from is None else self._take_tokens(lane) for lane in req.lanes]
         for i, lane in enumerate(lanes):
             self._validate(i, lane)
         if req.adapters and self.tensor_parallel:
@@ -350,30 +355,30 @@ class Scheduler:
             del plan.input_ids[mark[0]:], plan.positions[mark[0]:], plan.write_slots[mark[0]:]
             del plan.lanes[mark[1]:], plan.readout[mark[2]:]
             raise
-        plan.adapters += [AdapterUse(site, layer, mark[0], len(plan.input_ids), fn)
-                          for site, layer, fn in req.adapters]
+        if req.adapters:
+            plan.adapters += [AdapterUse(site, layer, mark[0], len(plan.input_ids), fn)
+                              for site, layer, fn in req.adapters]
         return Planned(req, slice(mark[2], len(plan.readout)), commits, undo, len(plan.input_ids) - mark[0])
 
     def _take_tokens(self, lane: Lane) -> Lane:
-        """The lane with its input tokens taken from its channel, when it has one."""
-        if lane.tokens_from is None:
-            return lane
+        """The lane with its input tokens taken from its channel."""
         value = self.channels.take(lane.tokens_from)
         if value.dtype.is_floating_point or value.dtype == torch.bool:
             raise PassError(f"input channel {lane.tokens_from} holds {value.dtype} values, not token ids")
         return replace(lane, tokens=value.flatten().tolist(), tokens_from=None)
 
     def _validate(self, i: int, lane: Lane) -> None:
-        n, vocab = len(lane.tokens), self.cfg.vocab_size
+        tokens, vocab = lane.tokens, self.cfg.vocab_size
+        n = len(tokens)
         if n == 0:
             raise PassError(f"lane {i}: no input tokens")
-        bad = [t for t in lane.tokens if not 0 <= t < vocab]
-        if bad:
-            raise PassError(f"lane {i}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        for name in ("positions", "slots"):
-            values = getattr(lane, name)
-            if values is not None and len(values) != n:
-                raise PassError(f"lane {i}: {len(values)} {name} for {n} tokens")
+        if min(tokens) < 0 or max(tokens) >= vocab:
+            bad = next(t for t in tokens if not 0 <= t < vocab)
+            raise PassError(f"lane {i}: token id {bad} is outside the vocabulary [0, {vocab})")
+        if lane.positions is not None and len(lane.positions) != n:
+            raise PassError(f"lane {i}: {len(lane.positions)} positions for {n} tokens")
+        if lane.slots is not None and len(lane.slots) != n:
+            raise PassError(f"lane {i}: {len(lane.slots)} slots for {n} tokens")
         max_pos = self.cfg.max_position_embeddings
         end = self.kv.length(lane.seq) + n if lane.positions is None else max(lane.positions) + 1
         if end > max_pos or (lane.positions and min(lane.positions) < 0):
@@ -390,16 +395,18 @@ class Scheduler:
             appended = kv.append(seq, lane.tokens, canonical=canonical,
                                  reuse_prefix=canonical and lane.readout is None)
             skip, write, q_slots = appended.reused, appended.slots, None
-            positions = (list(range(appended.start, appended.start + n - skip)) if lane.positions is None
+            length = appended.start + n - skip
+            positions = (list(range(appended.start, length)) if lane.positions is None
                          else lane.positions[skip:])
         else:
             skip, q_slots = 0, lane.slots
             write = kv.slots_for(seq, lane.slots, lane.tokens, canonical=False)
             positions = lane.positions if lane.positions is not None else lane.slots
-        kv_len = kv.length(seq) if lane.kv_len is None else lane.kv_len
-        if not 0 < kv_len <= kv.length(seq) or (q_slots and max(q_slots) >= kv_len):
+            length = kv.length(seq)
+        kv_len = length if lane.kv_len is None else lane.kv_len
+        if not 0 < kv_len <= length or (q_slots and max(q_slots) >= kv_len):
             raise PassError(f"sequence {seq}: kv_len {kv_len} must cover the rows written "
-                            f"and stay within the sequence's {kv.length(seq)} slots")
+                            f"and stay within the sequence's {length} slots")
         if lane.mask is not None and (len(lane.mask) != n or any(len(r) != kv_len for r in lane.mask)):
             raise PassError(f"sequence {seq}: mask must be {n} rows x {kv_len} slots")
         start = len(plan.input_ids)
@@ -407,8 +414,11 @@ class Scheduler:
         plan.positions += positions
         plan.write_slots += write
         plan.lanes.append(LanePlan(start, n - skip, kv.kv_pages(seq, kv_len), kv_len, q_slots, lane.mask))
-        plan.readout += [start + r - skip for r in (lane.readout or [n - 1])]
-        fold = kv.length(seq) if lane.fold is True else (None if lane.fold is False else lane.fold)
+        if lane.readout is None:
+            plan.readout.append(start + n - 1 - skip)
+        else:
+            plan.readout += [start + r - skip for r in lane.readout]
+        fold = length if lane.fold is True else (None if lane.fold is False else lane.fold)
         return seq, fold
 
     # ---- repeating passes (run-ahead) --------------------------------------------------------
