@@ -76,7 +76,9 @@ class Engine:
         self.tokens_by_owner: Counter[int | None] = Counter()   # the same per program, while it is connected
         self.row_epilogues = Counter()               # "calls": batched epilogue runs, "passes": passes they served
         # seconds of executed steps by part: "plan" (scheduling, page tables), "model" (the forward
-        # on the workers), "epilogue", "finish" (commits, futures); the engine's own cost is plan + finish
+        # on the workers), "epilogue", "finish" (commits, futures); the engine's own cost is plan +
+        # finish. "plan_cpu" and "finish_cpu" are the engine thread's CPU time in those parts: the
+        # wall time less the waits for the interpreter lock and the CPU that other threads hold.
         self.step_seconds: Counter[str] = Counter()
         self.batches_run = 0                         # batches handed to the workers, failed ones included
         self._remote = remote
@@ -228,11 +230,11 @@ class Engine:
 
     def step(self) -> int:
         """Run one batch of pending passes. Returns how many passes it completed or rejected."""
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         with self._lock:
             planned, plan, handled = self.scheduler.schedule()
         if planned:
-            self.step_seconds["plan"] += time.perf_counter() - started
+            self.step_seconds.update(plan=time.perf_counter() - started, plan_cpu=time.thread_time() - cpu)
             self._execute(planned, plan)
         elif plan.copies:
             self._broadcast_and_run(plan)
@@ -288,7 +290,7 @@ class Engine:
                     done.append((p, p.request.epilogue(rows) if p.request.epilogue else rows.cpu()))
             except Exception as e:
                 failed.append((p, e))
-        t2 = time.perf_counter()
+        t2, cpu = time.perf_counter(), time.thread_time()
         with self._lock:
             for p, e in failed:
                 self.scheduler.rollback(p.undo)
@@ -308,7 +310,8 @@ class Engine:
         for p, result in done:
             if p.request.repeat is None:
                 p.request.future.set_result(result)
-        self.step_seconds.update(model=t1 - t0, epilogue=t2 - t1, finish=time.perf_counter() - t2, steps=1)
+        self.step_seconds.update(model=t1 - t0, epilogue=t2 - t1, finish=time.perf_counter() - t2,
+                                 finish_cpu=time.thread_time() - cpu, steps=1)
 
     def _batched_epilogues(self, planned: list[Planned], logits: torch.Tensor) -> dict[int, Any]:
         """Results of the passes whose epilogues run once for all passes sharing them (their

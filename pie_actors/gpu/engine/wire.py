@@ -164,7 +164,7 @@ class Stats(TypedDict):
     tokens_computed: int          # input rows the model ran, prefill and decode (what prefix reuse saves)
     hold: dict[str, float]        # the scheduler's waits for coming programs (scheduler.Arrivals)
     row_epilogues: dict[str, int] # epilogues run once for many passes: calls, passes they served
-    step_seconds: dict[str, float]  # executed steps' time by part: plan, model, epilogue, finish; steps
+    step_seconds: dict[str, float]  # executed steps' time by part: plan, model, epilogue, finish; plan_cpu, finish_cpu; steps
     kv: dict[str, int]            # total, free, referenced, cached pages
     saved: dict[str, int]         # saved sets by state (kept, spilled, tokens), spill_bytes, and
                                   # opens by how they restored (opened_kept, _spilled, _recomputed)
