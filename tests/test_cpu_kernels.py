@@ -2,6 +2,7 @@
 rejects bad shapes; the row argmax equals torch.max's indices; KV tensors sit on huge pages."""
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -137,3 +138,15 @@ assert torch.equal(t, torch.arange(16 * 2**20, dtype=torch.float32))   # content
     if "[madvise]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
         assert _huge_pages_gained(code.format("")) < 32 * 1024   # small pages unless asked
     assert _huge_pages_gained(code.format("hugepages.advise([t])")) >= 32 * 1024
+
+
+def test_a_build_lock_left_by_a_killed_builder_is_removed_and_a_fresh_one_kept(tmp_path):
+    """torch's extension builder waits forever on another build's lock file: one older than any
+    build takes is removed before building, one of a build in progress stays."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    assert not cpu_kernels.clear_stale_lock(tmp_path) and lock.exists()
+    old = lock.stat().st_mtime - cpu_kernels.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    assert cpu_kernels.clear_stale_lock(tmp_path) and not lock.exists()
+    assert not cpu_kernels.clear_stale_lock(tmp_path)        # no lock: nothing to do

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -23,6 +25,8 @@ _loaded: bool | None = None             # None: not tried yet
 # compiler flags by torch's CPU capability; vec.h picks its code path from the macros they set
 _MARCH = {"avx512": ["-march=native"], "avx2": ["-march=native", "-mno-avx512f"],
           "default": ["-march=native", "-mno-avx512f", "-mno-avx2"]}
+# A build takes ~25 s; a build lock older than this was left by a builder that was killed
+STALE_LOCK_S = 600.0
 
 
 def load() -> bool:
@@ -30,7 +34,7 @@ def load() -> bool:
     global _loaded
     if _loaded is None:
         try:
-            from torch.utils.cpp_extension import load as load_extension
+            from torch.utils.cpp_extension import get_default_build_root, load as load_extension
             if shutil.which("ninja") is None:   # the PyPI package's binary: PATH may lack the venv
                 import ninja
                 os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
@@ -38,7 +42,12 @@ def load() -> bool:
             # tried on a bigger one) picks the instructions; the cache directory is per ISA level,
             # so a home shared by different machines does not hand one machine another's.
             isa = torch.backends.cpu.get_cpu_capability().lower()
-            load_extension(f"pie_cpu_kernels_{isa}", [str(s) for s in _SOURCES], is_python_module=False,
+            name = f"pie_cpu_kernels_{isa}"
+            # a directory per Python and torch version too: a build links against one libtorch
+            build = Path(get_default_build_root()) / f"py{sys.version_info[0]}{sys.version_info[1]}_torch{torch.__version__}" / name
+            build.mkdir(parents=True, exist_ok=True)
+            clear_stale_lock(build)
+            load_extension(name, [str(s) for s in _SOURCES], is_python_module=False, build_directory=str(build),
                            extra_cflags=["-O3", *_MARCH.get(isa, _MARCH["default"]), "-fopenmp"],
                            extra_ldflags=["-fopenmp"])
             torch.library.register_fake("pie_cpu::paged_decode_attention")(_fake_attention)
@@ -48,6 +57,23 @@ def load() -> bool:
             log.warning("CPU kernels unavailable, using torch ops instead: %s", e)
             _loaded = False
     return _loaded
+
+
+def clear_stale_lock(build: Path, stale_s: float = STALE_LOCK_S) -> bool:
+    """Remove the build lock in `build` when it is older than `stale_s`: torch's extension builder
+    waits for another process's build by polling for its lock file, forever, so one left by a
+    builder that was killed (SIGKILL, an OOM) would hang every later engine start. True: removed."""
+    lock = build / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < stale_s:
+        return False            # a build in progress
+    log.warning("removing the CPU kernels' build lock %s, left %.0f s ago by a build that did not finish",
+                lock, age)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def _fake_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
