@@ -44,7 +44,8 @@ def load() -> bool:
             isa = torch.backends.cpu.get_cpu_capability().lower()
             name = f"pie_cpu_kernels_{isa}"
             # a directory per Python and torch version too: a build links against one libtorch
-            build = Path(get_default_build_root()) / f"py{sys.version_info[0]}{sys.version_info[1]}_torch{torch.__version__}" / name
+            version = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}"
+            build = Path(get_default_build_root()) / version / name
             build.mkdir(parents=True, exist_ok=True)
             clear_stale_lock(build)
             load_extension(name, [str(s) for s in _SOURCES], is_python_module=False, build_directory=str(build),
