@@ -4,8 +4,9 @@ The prompt runs as one pass whose first token comes back to the host. After that
 decode pass repeats on the engine: its input is a channel, and its epilogue writes the chosen
 token both into that channel (the next run's input, no host round trip) and into an output
 channel the host reads. `pipe.run_ahead` keeps the pass in flight; the host only reads tokens
-and, once per window, tells the engine how far it has read. The tokens are exactly those of
-one-pass-per-token greedy decoding.
+and, once per window, tells the engine how far it has read. Nothing here waits on each token (the
+text is sent at the end), so the program is woken once per window's tokens (`wake_every`). The
+tokens are exactly those of one-pass-per-token greedy decoding.
 
 input: {"prompt": str, "max_tokens": int}  ->  {"text", "tokens"}
 """
@@ -48,7 +49,7 @@ async def main(input: dict) -> dict:
         return tokens[-1] not in stop and len(tokens) < max_tokens
 
     if tokens[0] not in stop and max_tokens > 1:
-        await pipe.run_ahead(step, max_tokens - 1, on_token)
+        await pipe.run_ahead(step, max_tokens - 1, on_token, wake_every=model.run_ahead_window())
     pipe.close()
     if tokens[-1] in stop:
         tokens.pop()

@@ -70,6 +70,7 @@ class EtaOps:
         self._runs: dict[int, int] = {}                   # run-ahead handle -> its pass request id
         self._stopped: set[int] = set()                   # run-ahead handles the guest stopped
         self._run_ids = itertools.count(1)
+        self._held: dict[int, int] = {}                  # engine channel -> values its reads wait for
         self._in_flight = 0                               # passes sent and not finished
         self._told_idle = False                           # the engine knows we wait on something else
         # what was made before the engine was chosen, sent in order once it is (`_client`)
@@ -350,20 +351,31 @@ class EtaOps:
     # ---- run-ahead ----------------------------------------------------------------------------
 
     def run_ahead(self, args: Any) -> dict[str, int]:
-        """Start a repeating pass: {"run": handle, "done": future id of the runs kept}."""
+        """Start a repeating pass: {"run": handle, "done": future id of the runs kept}. With
+        `wake_every` n > 1, a read of a channel its epilogue puts into that would wait waits until n
+        values are there (or the run is over): the reader is woken once per n tokens, not each."""
         fields, handles = self._pass_fields(args)
-        budget, window = args.get("budget"), args.get("window")
+        budget, window, wake = args.get("budget"), args.get("window"), args.get("wake_every", 1)
         if type(budget) is not int or type(window) is not int or budget < 1 or window < 1:
             raise HostOpError("run_ahead needs a positive integer budget and window")
+        if type(wake) is not int or not 1 <= wake <= window:
+            raise HostOpError(f"run_ahead's wake_every must be an integer from 1 to its window ({window})")
         fields["repeat"] = {"budget": budget, "window": window}
         puts = self._puts.get(args.get("epilogue"), set())
         handle, fid = next(self._run_ids), self.run.futures.new()
+        for cid in puts:
+            self._held[cid] = wake
+            if cid in self._channels:
+                self._channels[cid].hold(wake)
 
         def started(request_id: int) -> None:
             self._runs[handle] = request_id
 
         def done(fut) -> None:
             self._runs.pop(handle, None)
+            for cid in puts:                      # no more values come: what is there is all
+                if self._held.pop(cid, None) is not None and cid in self._channels:
+                    self._channels[cid].hold(1)
             # Once the guest has stopped, what is still unread came from runs past the stop (the
             # engine pushes every value before it answers). A run that ended by its budget keeps
             # its values: the guest may not have read them all yet.
@@ -466,6 +478,7 @@ class EtaOps:
                 return {"future": inbox.receive()}
         cid = self._engine_chan(handle)
         inbox = self._channels[cid] = Inbox(self.run.futures, convert=_scalar)
+        inbox.hold(self._held.get(cid, 1))
         fid = inbox.receive()
         try:
             self.run.wait(self.run.client.chan_subscribe(cid))

@@ -165,7 +165,8 @@ class Inbox:
     `convert` turns an item into the value a receive future gets (raising fails it); one receive
     may bring its own. `capacity` bounds what `offer` accepts (items delivered, not yet received);
     `put` always takes the item. After `fail(message)`, waiting and later receives fail with the
-    message."""
+    message. `hold(n)`: a waiting receive completes only once `n` items have arrived, so that its
+    reader, woken once, finds the next `n - 1` there already."""
 
     def __init__(self, futures: FutureTable, convert: Callable[[Any], Any] = lambda item: item,
                  capacity: int | None = None) -> None:
@@ -174,6 +175,7 @@ class Inbox:
         self._waiting: deque[tuple[int, Callable[[Any], Any]]] = deque()   # receives with nothing to get yet
         self._error: str | None = None
         self._lock = threading.Lock()
+        self._hold = 1                          # items a waiting receive waits to have arrived
 
     def put(self, item: Any) -> None:
         with self._lock:
@@ -215,6 +217,13 @@ class Inbox:
                 raise LookupError("empty")
             return self._items.popleft()
 
+    def hold(self, n: int) -> None:
+        """Complete a waiting receive only once `n` items have arrived (1: at each item)."""
+        with self._lock:
+            self._hold = n
+            ready = self._match()
+        self._settle(ready)
+
     def clear(self) -> None:
         """Drop the items delivered but not received."""
         with self._lock:
@@ -222,7 +231,7 @@ class Inbox:
 
     def _match(self) -> list[tuple[int, Callable[[Any], Any], Any, str | None]]:
         ready = []
-        while self._waiting and (self._items or self._error is not None):
+        while self._waiting and (len(self._items) >= self._hold or self._error is not None):
             fid, convert = self._waiting.popleft()
             ready.append((fid, convert, None, self._error) if self._error is not None
                          else (fid, convert, self._items.popleft(), None))

@@ -569,16 +569,25 @@ class Pipeline:
         for fwd in passes:
             self.submit(fwd)
 
-    async def run_ahead(self, fwd: ForwardPass, budget: int, on_token) -> int:
+    async def run_ahead(self, fwd: ForwardPass, budget: int, on_token, wake_every: int = 1) -> int:
         """Run `fwd` again and again on the engine (its input usually a channel its epilogue
         feeds) until `on_token()` returns False or `budget` runs were read. The engine keeps up
         to twice `model.run_ahead_window()` runs in flight; the host tells it how far it has read
-        once per window. Runs past the stop are cut off the working sets. Returns the runs kept."""
+        once per window. Runs past the stop are cut off the working sets. Returns the runs kept.
+
+        `wake_every` (1 to `model.run_ahead_window()`): a read of the epilogue's channels that has
+        to wait is woken once that many values are there, so `on_token` runs in bursts and the
+        program wakes once per burst. 1 reads each token as it comes, as a stream wants; a program
+        that streams nothing saves host CPU with the window (bench/RESULTS.md). The tokens are the
+        same either way, and so are the runs: the engine runs ahead by the window regardless."""
         self._check(fwd)
         from . import model
         window = model.run_ahead_window()
+        if not 1 <= int(wake_every) <= window:
+            raise ValueError(f"wake_every must be from 1 to model.run_ahead_window() ({window}), got {wake_every!r}")
         _free_dropped()
-        run = _host.call("eta.run_ahead", {**fwd._spec(), "budget": int(budget), "window": 2 * window})
+        run = _host.call("eta.run_ahead", {**fwd._spec(), "budget": int(budget), "window": 2 * window,
+                                           "wake_every": int(wake_every)})
         fwd._submitted = True
         done = _host.future(run["done"])
         read = 0
