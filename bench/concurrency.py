@@ -10,7 +10,9 @@ child process, as `pie serve --local` runs it; `ray`, `Runtime.connect`: inferle
 engine actor on a local Ray cluster), N programs are launched at once, each greedy-decoding
 `--tokens` tokens of its own ~30-token prompt:
   per-token  one pass per token, as the quickstart decodes (examples/completion_max)
-  run-ahead  a device loop, the host reading tokens (examples/run_ahead, stop tokens ignored)
+  run-ahead  a device loop, the host reading tokens (examples/run_ahead, stop tokens ignored), woken
+             once per window's tokens (`wake_every=model.run_ahead_window()`)
+  run-ahead/1  the same, woken for each token (`wake_every=1`), as a reader that streams them
 against `engine.generate` of the same N prompts batched in this process. The two alternate,
 `--rounds` times a row, each round on prompts that neither has seen (so no prefix cache favours
 either), and a row gives the median of the rounds' ratios: the machines are shared, and their speed
@@ -36,9 +38,12 @@ from report import add_output_options, publish
 from pie_actors import Program, Runtime
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+_RUN_AHEAD = (EXAMPLES / "run_ahead" / "main.py").read_text().replace(
+    "tokens[-1] not in stop and len(tokens) < max_tokens", "len(tokens) < max_tokens")
 LOOPS = {"per-token": Program.load(EXAMPLES / "completion_max"),
-         "run-ahead": Program.load((EXAMPLES / "run_ahead" / "main.py").read_text().replace(
-             "tokens[-1] not in stop and len(tokens) < max_tokens", "len(tokens) < max_tokens"))}
+         "run-ahead": Program.load(_RUN_AHEAD),
+         "run-ahead/1": Program.load(_RUN_AHEAD.replace("wake_every=model.run_ahead_window()", "wake_every=1"))}
+assert "wake_every=1" in LOOPS["run-ahead/1"].source
 STORY = " once upon a time, in a small village by the sea, there lived an old fisherman who"
 _TICK = os.sysconf("SC_CLK_TCK")
 
