@@ -6,8 +6,9 @@ the `branching` most likely next tokens; each starts a branch in a fork of the w
 of a level decode greedily side by side (one pass, a lane per branch) for `thought_tokens`
 tokens, and each is scored by the mean log-probability the model gave its tokens. The best
 branch becomes the working set the next level forks from; the others are dropped (their own
-pages return). After `depth` levels the best path is the answer. Each level is streamed to the
-client as it is decided, numbered.
+pages return) before their last token goes in. One more pass feeds the best branch's last token
+and gives the next level's starts; the last level needs none. After `depth` levels the best path
+is the answer. Each level is streamed to the client as it is decided, numbered.
 
 Input (all optional): "question", "branching" (2), "depth" (3), "thought_tokens" (6).
 Output: {"prompt": its tokens, "levels": [{"seq", "branches": [{"tokens", "text", "score"}],
@@ -62,8 +63,6 @@ async def main(input: dict) -> dict:
             for i, ([token], [lp]) in enumerate(tops):
                 tokens[i].append(token)
                 logprobs[i].append(lp)
-        # the last token goes in too; its pass gives each branch's own next-level starts
-        tops = await step(pipe, sets, [[t[-1]] for t in tokens], branching, vocab)
         scores = [sum(lp) / len(lp) for lp in logprobs]
         best = max(range(branching), key=lambda i: scores[i])
         level = {"seq": seq, "best": best, "branches": [
@@ -71,7 +70,9 @@ async def main(input: dict) -> dict:
         levels.append(level)
         session.send(level)
         path += tokens[best]
-        ws, (starts, start_logprobs) = sets[best], tops[best]
+        ws = sets[best]
         del sets
+        if seq + 1 < depth:       # the best branch's last token goes in; its pass gives the next starts
+            [(starts, start_logprobs)] = await step(pipe, [ws], [[tokens[best][-1]]], branching, vocab)
     pipe.close()
     return {"prompt": prompt, "levels": levels, "path": path, "text": model.decode(path), "forks": forks}
