@@ -5,8 +5,9 @@ decode pass repeats on the engine: its input is a channel, and its epilogue writ
 token both into that channel (the next run's input, no host round trip) and into an output
 channel the host reads. `pipe.run_ahead` keeps the pass in flight; the host only reads tokens
 and, once per window, tells the engine how far it has read. Nothing here waits on each token (the
-text is sent at the end), so the program is woken once per window's tokens (`wake_every`). The
-tokens are exactly those of one-pass-per-token greedy decoding.
+text is sent at the end), so the program is woken once per window's tokens (`wake_every`): it sees
+a stop token up to a window's runs late, which are computed and cut off. The tokens are exactly
+those of one-pass-per-token greedy decoding.
 
 input: {"prompt": str, "max_tokens": int}  ->  {"text", "tokens"}
 """

@@ -442,9 +442,7 @@ class Reply:
             # budget: a run-ahead that ends on its own drops the values its last runs put that were not
             # read yet. The engine runs at most 3 windows past the reads, so that margin is enough.
             runs = min(self.budget - len(self.tokens) + 3 * model.run_ahead_window(), self.room - len(self.tokens))
-            # a stream reads each token as it comes; a reply sent whole is woken once per window
-            wake = 1 if self.request.stream else model.run_ahead_window()
-            await pipe.run_ahead(self._step(), runs, on_token, wake_every=wake)
+            await pipe.run_ahead(self._step(), runs, on_token)
         else:
             going = True
             while going:

@@ -576,10 +576,12 @@ class Pipeline:
         once per window. Runs past the stop are cut off the working sets. Returns the runs kept.
 
         `wake_every` (1 to `model.run_ahead_window()`): a read of the epilogue's channels that has
-        to wait is woken once that many values are there, so `on_token` runs in bursts and the
-        program wakes once per burst. 1 reads each token as it comes, as a stream wants; a program
-        that streams nothing saves host CPU with the window (bench/RESULTS.md). The tokens are the
-        same either way, and so are the runs: the engine runs ahead by the window regardless."""
+        to wait is woken once that many values are there (or the budget's runs are done), so
+        `on_token` runs in bursts and the program wakes once per burst, which saves its host CPU
+        (bench/RESULTS.md). The tokens are the same; what it costs is when the loop stops early (a
+        stop token): the stop is seen up to `wake_every - 1` runs later, and those runs are computed
+        and cut off. So 1 (each token as it comes) suits a stream and a reply that ends at a stop
+        token; more suits a loop that reads a known number of tokens."""
         self._check(fwd)
         from . import model
         window = model.run_ahead_window()
