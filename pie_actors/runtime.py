@@ -139,6 +139,10 @@ class _Local:
             self.server, self.address = serve_model(config.engine, long_lived=long_lived)
             self.engine = self.saved_sets = self.server.engine
         self.model = config.engine.model
+        if long_lived:
+            from .inferlet.run_state import preload_tokenizer
+            from .model_store import resolve_model
+            preload_tokenizer(str(resolve_model(self.model)))     # the path runs are told (wire.Info)
         self.runs: dict[tuple[str | None, str], Any] = {}   # (owner, process name) -> its Run, while it runs
         self._lock = threading.Lock()
         self._numbers = itertools.count(1)

@@ -87,6 +87,12 @@ def _tokenizer(model_dir: str) -> Tokenizer:
     return Tokenizer.from_dir(model_dir)     # once per model: the runs of a process share it
 
 
+def preload_tokenizer(model_dir: str) -> None:
+    """Load the tokenizer of the model at `model_dir` now, for a process that will serve runs: the
+    first run that encodes would otherwise wait for it (~150 ms: the tokenizer and its template)."""
+    _tokenizer(model_dir)
+
+
 class RunState:
     """The state of one run that several host interfaces need; `close()` ends its connection."""
 
