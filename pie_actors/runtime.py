@@ -140,9 +140,9 @@ class _Local:
             self.engine = self.saved_sets = self.server.engine
         self.model = config.engine.model
         if long_lived:
-            from .inferlet.run_state import preload_tokenizer
+            from .inferlet.run_state import model_tokenizer
             from .model_store import resolve_model
-            preload_tokenizer(str(resolve_model(self.model)))     # the path runs are told (wire.Info)
+            model_tokenizer(str(resolve_model(self.model)))       # under the path runs are told (wire.Info)
         self.runs: dict[tuple[str | None, str], Any] = {}   # (owner, process name) -> its Run, while it runs
         self._lock = threading.Lock()
         self._numbers = itertools.count(1)

@@ -66,15 +66,16 @@ def runtime(request):
 
 
 def test_a_long_lived_local_runtime_has_the_tokenizer_its_runs_use_loaded_before_the_first(default_model_dir):
-    from pie_actors.inferlet.run_state import _tokenizer
-    _tokenizer.cache_clear()
+    from pie_actors.inferlet.run_state import model_tokenizer
+    model_tokenizer.cache_clear()
     with Runtime.local(str(default_model_dir), long_lived=True, dtype="float32", num_pages=64,
                        compile="off") as runtime:
-        assert _tokenizer.cache_info().currsize == 1         # loaded at start
+        assert model_tokenizer.cache_info().currsize == 1         # loaded at start
         encode = "from inferlet import model\nasync def main(input):\n    return model.encode('Hello')\n"
         assert runtime.launch(encode).result()
-        info = _tokenizer.cache_info()
+        info = model_tokenizer.cache_info()
         assert info.misses == 1 and info.hits >= 1, info     # the run found it under the path it is told
+
 
 def _wait_for(predicate, timeout=60.0):
     end = time.monotonic() + timeout

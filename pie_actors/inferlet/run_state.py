@@ -81,16 +81,12 @@ def _run_all(calls: list[Callable[[], None]]) -> None:
 
 
 @lru_cache(maxsize=8)
-def _tokenizer(model_dir: str) -> Tokenizer:
+def model_tokenizer(model_dir: str) -> Tokenizer:
+    """The tokenizer of the model at `model_dir`, loaded once a process (~150 ms with its chat
+    template): the runs of a process share it, and a process that will serve runs loads it at start."""
     from ..tokenizer import Tokenizer   # tokenizers + jinja2 only (no torch), loaded when first needed
 
-    return Tokenizer.from_dir(model_dir)     # once per model: the runs of a process share it
-
-
-def preload_tokenizer(model_dir: str) -> None:
-    """Load the tokenizer of the model at `model_dir` now, for a process that will serve runs: the
-    first run that encodes would otherwise wait for it (~150 ms: the tokenizer and its template)."""
-    _tokenizer(model_dir)
+    return Tokenizer.from_dir(model_dir)
 
 
 class RunState:
@@ -253,7 +249,7 @@ class RunState:
     def tok(self) -> Tokenizer:
         """The model's tokenizer, loaded on first use (runs that never encode do not pay for it)."""
         if self._tok is None:
-            self._tok = _tokenizer(self.info["model_dir"])
+            self._tok = model_tokenizer(self.info["model_dir"])
         return self._tok
 
     @property

@@ -584,12 +584,12 @@ class Pipeline:
         token; more suits a loop that reads a known number of tokens."""
         self._check(fwd)
         from . import model
-        window = model.run_ahead_window()
-        if not 1 <= int(wake_every) <= window:
-            raise ValueError(f"wake_every must be from 1 to model.run_ahead_window() ({window}), got {wake_every!r}")
+        window, wake_every = model.run_ahead_window(), int(wake_every)
+        if not 1 <= wake_every <= window:
+            raise ValueError(f"wake_every must be from 1 to model.run_ahead_window() ({window}), got {wake_every}")
         _free_dropped()
         run = _host.call("eta.run_ahead", {**fwd._spec(), "budget": int(budget), "window": 2 * window,
-                                           "wake_every": int(wake_every)})
+                                           "wake_every": wake_every})
         fwd._submitted = True
         done = _host.future(run["done"])
         read = 0
