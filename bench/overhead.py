@@ -127,11 +127,6 @@ async def run_once(clients: list[Client], passes: int) -> float:
     return elapsed
 
 
-async def measure(clients: list[Client], passes: int, repeats: int) -> float:
-    await run_once(clients, max(4, passes // 8))   # warm-up: connections, allocator, code paths
-    return statistics.median([await run_once(clients, passes) for _ in range(repeats)])
-
-
 async def bench(model_dir: str, counts: list[int], passes: int, repeats: int
                 ) -> tuple[dict[tuple[int, str], float], dict[tuple[int, str], dict[str, float]]]:
     """(clients, mode) -> seconds for clients x passes passes; and, for the direct and socket modes,
@@ -148,8 +143,11 @@ async def bench(model_dir: str, counts: list[int], passes: int, repeats: int
                  "socket": [socket_client(c) for c in connections],
                  "ray": [ray_client(forwarder)] * n}
         for mode, clients in modes.items():
+            # warm-up, outside the step figures: connections, allocator, code paths, the first
+            # epilogue's one-off kernel load
+            await run_once(clients, max(4, passes // 8))
             before = stats[mode]() if mode in stats else None
-            results[n, mode] = await measure(clients, passes, repeats)
+            results[n, mode] = statistics.median([await run_once(clients, passes) for _ in range(repeats)])
             if before is not None:
                 parts[n, mode] = per_lane(before, stats[mode]())
             print(f"  {n} clients, {mode}: {n * passes / results[n, mode]:.0f} passes/s", file=sys.stderr)
