@@ -1,8 +1,16 @@
 """Two Ray nodes on this machine for the cluster tests, and the programs they run."""
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 import ray
@@ -104,3 +112,45 @@ def until(predicate, timeout: float = 30.0) -> None:
     while not predicate():
         assert time.monotonic() < end, "timed out"
         time.sleep(0.1)
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@contextmanager
+def ray_head(env: dict[str, str], dashboard: bool = False) -> Iterator[tuple[dict[str, str], int | None]]:
+    """A head started as `ray start --head` is, yielding (the env that finds it, the dashboard's port
+    or None). Its ports are free ones and its temp dir its own (`RAY_TMPDIR`), so its address file is
+    found only by commands given that env, and no other cluster on the machine is touched. `--block`
+    keeps the head's processes in a process group of their own, killed together at the end (not
+    `ray stop`, which stops every cluster on the machine)."""
+    gcs, dash, agent, agent_grpc, runtime_env, metrics, client = free_ports(7)
+    temp = tempfile.mkdtemp(prefix="pie-ray-", dir="/tmp")      # short: Ray's socket paths live under it
+    env = dict(env, RAY_TMPDIR=temp, RAY_AUTH_MODE="disabled")
+    env.pop("RAY_ADDRESS", None)
+    log = Path(temp) / "head.log"
+    bin_dir = Path(sys.executable).parent
+    with open(log, "w") as out:
+        head = subprocess.Popen(
+            [str(bin_dir / "ray"), "start", "--head", "--block", "--num-cpus", "2", f"--port={gcs}",
+             f"--include-dashboard={str(dashboard).lower()}", "--dashboard-host=127.0.0.1",
+             f"--dashboard-port={dash}", f"--dashboard-agent-listen-port={agent}",
+             f"--dashboard-agent-grpc-port={agent_grpc}", f"--runtime-env-agent-port={runtime_env}",
+             f"--metrics-export-port={metrics}", f"--ray-client-server-port={client}"],
+            env=env, cwd=temp, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        until(lambda: head.poll() is not None or "Ray runtime started" in log.read_text(), timeout=120)
+        assert head.poll() is None, f"ray start --head exited: {log.read_text()[-2000:]}"
+        yield env, dash if dashboard else None
+    finally:
+        if head.poll() is None:        # the head's own processes, all of them at once (no 30 s drain)
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait(60)
+        shutil.rmtree(temp, ignore_errors=True)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster_helpers import ray_head
 from pie_actors.cli import parse_inputs
 from serve_helpers import KEY, start
 
@@ -156,8 +157,7 @@ def test_pie_run_joins_a_kept_cluster_and_its_engine_stays(default_model_dir, tm
     Controller keeps the model's engine, so the second run starts none. The second is a built
     bundle with a module of its own, shipped to the cluster's inferlet actor."""
     bin_dir = Path(sys.executable).parent
-    env = dict(os.environ, PIE_HOME=str(default_model_dir.parent.parent), RAY_AUTH_MODE="disabled")
-    env.pop("RAY_ADDRESS", None)
+    env = dict(os.environ, PIE_HOME=str(default_model_dir.parent.parent))
     prog = tmp_path / "name.py"
     prog.write_text("from inferlet import model\n\nasync def main(input):\n    return {'model': model.name()}\n")
     bundle = tmp_path / "bundle"
@@ -170,9 +170,7 @@ def test_pie_run_joins_a_kept_cluster_and_its_engine_stays(default_model_dir, tm
     assert built.returncode == 0 and "greeting" in built.stdout, built.stderr
     status = ("import json, ray; from pie_actors.controller import NAME, NAMESPACE; ray.init(address='auto'); "
               "print(json.dumps(ray.get(ray.get_actor(NAME, namespace=NAMESPACE).status.remote())))")
-    subprocess.run([str(bin_dir / "ray"), "start", "--head", "--num-cpus", "2", "--include-dashboard=false"],
-                   check=True, capture_output=True, timeout=120, env=env)
-    try:
+    with ray_head(env) as (env, _):
         runs = ([str(prog)], {"model": "smollm2-135m-instruct"}), \
                ([str(bundle), "--", "--name", "pie"], {"msg": "hello pie", "model": "smollm2-135m-instruct"})
         for args, want in runs:
@@ -183,5 +181,3 @@ def test_pie_run_joins_a_kept_cluster_and_its_engine_stays(default_model_dir, tm
         after = json.loads(subprocess.run([sys.executable, "-c", status], capture_output=True, text=True,
                                           timeout=120, env=env, check=True).stdout.strip().splitlines()[-1])
         assert list(after["engines"]) == ["smollm2-135m-instruct"] and after["launches"] == 2
-    finally:
-        subprocess.run([str(bin_dir / "ray"), "stop", "--force"], capture_output=True, timeout=120, env=env)

@@ -5,18 +5,14 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from cluster_helpers import ray_head
 from pie_actors.program import Manifest, ManifestError, Program
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,37 +74,16 @@ def test_ray_cluster_yaml_passes_rays_validation():
         validate_config(prepare_config(broken))
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def test_ray_job_submit_runs_a_bundle_on_the_clusters_engine(default_model_dir, tmp_path, monkeypatch):
-    from ray.job_submission import JobStatus, JobSubmissionClient
+    from ray.job_submission import JobStatus
 
     bundle = _bundle(tmp_path / "greeter", entry="main.py")
     bin_dir = Path(sys.executable).parent
-    env = dict(os.environ, PIE_HOME=str(default_model_dir.parent.parent), RAY_AUTH_MODE="disabled",
+    env = dict(os.environ, PIE_HOME=str(default_model_dir.parent.parent),
                PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-    env.pop("RAY_ADDRESS", None)
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    gcs, dash, agent, agent_grpc, runtime_env, metrics, client = _free_ports(7)
-    temp = tempfile.mkdtemp(prefix="pie-ray-", dir="/tmp")      # short: Ray's socket paths live under it
-    # --block: the head's processes are this one's children, in the process group it leads
-    head = subprocess.Popen(
-        [str(bin_dir / "ray"), "start", "--head", "--block", "--num-cpus", "2", f"--port={gcs}",
-         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-         f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
-         f"--runtime-env-agent-port={runtime_env}", f"--metrics-export-port={metrics}",
-         f"--ray-client-server-port={client}", f"--temp-dir={temp}"],
-        env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        jobs = _client(f"http://127.0.0.1:{dash}", head)
+    with ray_head(env, dashboard=True) as (env, dash):
+        jobs = _client(f"http://127.0.0.1:{dash}")
         entry = "pie run --dtype float32 --compile off main.py -- --name pie"
         job = jobs.submit_job(entrypoint=entry, runtime_env={"working_dir": str(bundle)})
         deadline = time.monotonic() + 300
@@ -118,19 +93,14 @@ def test_ray_job_submit_runs_a_bundle_on_the_clusters_engine(default_model_dir, 
         logs = jobs.get_job_logs(job)
         assert status == JobStatus.SUCCEEDED, logs[-3000:]
         assert '{"greeting": "hello pie", "model": "smollm2-135m-instruct"}' in logs
-    finally:
-        if head.poll() is None:        # the head's own processes, all of them at once (no 30 s drain)
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait(60)
-        shutil.rmtree(temp, ignore_errors=True)
 
 
-def _client(address: str, head: subprocess.Popen):
+def _client(address: str):
+    """The job SDK's client, once the head's dashboard answers."""
     from ray.job_submission import JobSubmissionClient
 
     deadline = time.monotonic() + 120
     while True:
-        assert head.poll() is None, "ray start --head exited"
         try:
             return JobSubmissionClient(address)
         except (ConnectionError, RuntimeError):
