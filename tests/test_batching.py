@@ -4,14 +4,20 @@ else leaves the wait at once. Counted from the engine's statistics, never timed.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from pie_actors import Runtime, Send
+from pie_actors.gpu.engine import Lane, PassRequest
+from pie_actors.gpu.engine.epilogues import SIMPLE_EPILOGUES
+from pie_actors.gpu.engine.scheduler import Arrivals
 from pie_actors.inferlet.engine_client import EngineClient
+from tests.engine_helpers import make_engine
 from tests.inferlet_helpers import idle_stats
 
 N = 8
 TOKENS = 24
+ARGMAX = SIMPLE_EPILOGUES["argmax"]
 # one pass per token, as the quickstart decodes; it starts decoding when told to, so that all N
 # programs begin together and the test is about decode steps, not about launch times
 LOCKSTEP = """
@@ -110,6 +116,65 @@ def test_a_program_that_says_it_is_idle_is_not_waited_for(runtime):
 
     assert asyncio.run(scenario(say_idle=False))["expired"] == 1     # the step gave up waiting on A
     assert asyncio.run(scenario(say_idle=True)) == {"holds": 0, "expired": 0}
+
+
+def test_the_wait_policy_gathers_new_programs_and_holds_for_served_ones():
+    """Arrivals alone, on a clock the test moves: first passes of new programs wait the bound after
+    the first of them; a served program without a pass pending is waited for until it comes, or
+    until the bound after the step; one that said it is idle is not; the bound follows the round
+    trips measured."""
+    arrivals = Arrivals()
+    arrivals.served([None], set(), now=0.0, step_s=0.1)       # a step ran, of passes without an owner
+    bound = arrivals.bound()
+    assert bound == pytest.approx(2 * Arrivals.FIRST_RTT_S)   # none measured: min(2 x 1 ms, half a step)
+    arrivals.arrived(1, 1.0)
+    assert arrivals.wait_left(1.0, {1: ...}) == pytest.approx(bound)               # gathering
+    arrivals.arrived(2, 1.0 + bound / 2)
+    assert arrivals.wait_left(1.0 + bound / 2, {1: ..., 2: ...}) == pytest.approx(bound / 2)
+    assert arrivals.wait_left(1.0 + bound, {1: ..., 2: ...}) == 0.0                 # the bound has passed
+    assert arrivals.stats()["gathers"] == 1 and arrivals.stats()["holds"] == 0
+
+    arrivals.served([1, 2], {2}, now=2.0, step_s=0.1)   # 2 has its next pass pending: only 1 is expected
+    assert arrivals.wait_left(2.0, {2: ...}) == pytest.approx(bound)               # a hold, for 1
+    arrivals.arrived(1, 2.0 + bound / 4)                 # a round trip of bound / 4
+    assert arrivals.wait_left(2.0 + bound / 4, {1: ..., 2: ...}) == 0.0             # all came: no wait left
+    arrivals.served([1, 2], set(), now=3.0, step_s=0.1)
+    arrivals.idle(1)                                     # 1 awaits its client: not waited for
+    arrivals.arrived(2, 3.0 + bound / 4)
+    assert arrivals.wait_left(3.0 + bound / 4, {2: ...}) == 0.0
+    assert arrivals.bound() == pytest.approx(bound / 2)                              # 2 x the round trips
+
+    arrivals.served([2], set(), now=4.0, step_s=0.1)
+    assert arrivals.wait_left(4.0, {3: ...}) == pytest.approx(bound / 2)           # holds for 2 ...
+    assert arrivals.wait_left(4.0 + bound, {3: ...}) == 0.0                         # ... until the bound
+    assert {k: arrivals.stats()[k] for k in ("gathers", "holds", "expired")} == {"gathers": 1, "holds": 2,
+                                                                                  "expired": 1}
+
+
+def test_first_passes_of_programs_that_start_together_share_one_batch(default_model_dir, monkeypatch):
+    """On the engine: the first pass of a new program holds the step for others' first passes, so
+    prefills that arrive close together run as one batch. The bound is half a step here (a long
+    first step, no round trip measured), so the test's own pace does not decide it."""
+    monkeypatch.setattr(Arrivals, "FIRST_RTT_S", 10.0)
+    engine = make_engine(default_model_dir, num_pages=64).start()
+    try:
+        warm = engine.create_sequence()     # no owner: times a step, and nobody is expected after it
+        engine.submit(PassRequest([Lane(warm, list(range(100, 400)))], epilogue=ARGMAX)).result(120)
+        before, arrivals = dict(engine.batch_sizes), engine.scheduler.arrivals
+        assert arrivals.bound() > 0.02, arrivals.stats()
+        seqs = [engine.create_sequence() for _ in range(4)]
+        futures = [engine.submit(PassRequest([Lane(seqs[0], list(range(10, 20)))], epilogue=ARGMAX, owner=101))]
+        deadline = time.monotonic() + 60
+        while arrivals.stats()["gathers"] == 0:          # the step is holding for more first passes
+            assert time.monotonic() < deadline and not futures[0].done(), "the first pass ran alone"
+            time.sleep(0.001)
+        futures += [engine.submit(PassRequest([Lane(seq, list(range(20 + i, 30 + i)))], epilogue=ARGMAX,
+                                              owner=102 + i)) for i, seq in enumerate(seqs[1:])]
+        [f.result(120) for f in futures]
+        assert _delta(engine.batch_sizes, before) == {4: 1}      # four prefills, one batch
+        assert arrivals.stats()["gathers"] == 1 and arrivals.stats()["holds"] == 0
+    finally:
+        engine.close()
 
 
 def test_an_inferlet_awaiting_a_message_does_not_hold_the_others_back(runtime):
