@@ -9,7 +9,7 @@ import time
 import pytest
 from pie_actors import Runtime, Send
 from pie_actors.gpu.engine import Lane, PassRequest
-from pie_actors.gpu.engine.epilogues import SIMPLE_EPILOGUES
+from pie_actors.gpu.engine.epilogues import ROWS_EPILOGUES, SIMPLE_EPILOGUES
 from pie_actors.gpu.engine.scheduler import Arrivals
 from pie_actors.inferlet.engine_client import EngineClient
 from tests.engine_helpers import make_engine
@@ -308,6 +308,32 @@ def _channel_programs(c: dict[str, int]) -> dict[str, dict]:
             ["constant", [[1.0, 2.0], "f32"]]],
             "outputs": [4, 6]},
     }
+
+
+def test_a_shared_epilogue_finds_its_rows_around_a_pass_that_reads_out_more(default_model_dir):
+    """One batch of three passes with the argmax rows epilogue, one of which reads out two rows: the
+    two one-row passes share one run, whether their rows lie side by side or that pass's rows lie
+    between them, and each gets the token it gets alone."""
+    engine = make_engine(default_model_dir, num_pages=64)      # not started: each step() is one batch
+    prompts = [list(range(100 + 10 * i, 108 + 10 * i)) for i in range(3)]
+
+    def batch(order: list[int]) -> dict[int, list]:
+        seqs = [engine.create_sequence() for _ in prompts]
+        futures = {i: engine.submit(PassRequest([Lane(seqs[i], prompts[i], readout=[6, 7] if i == 1 else None)],
+                                                ARGMAX, ROWS_EPILOGUES["argmax"])) for i in order}
+        sizes, calls = dict(engine.batch_sizes), engine.row_epilogues["calls"]
+        assert engine.step() == len(order)
+        assert _delta(engine.batch_sizes, sizes) == {len(order): 1}
+        shared = engine.row_epilogues["calls"] - calls
+        for seq in seqs:
+            engine.free(seq)
+        return {i: f.result(0) for i, f in futures.items()} | {"shared": shared}
+
+    alone = {i: batch([i])[i] for i in (0, 2)}
+    for order in ([0, 1, 2], [0, 2, 1]):               # rows 0, 3 (a gather) and 0, 1 (a slice)
+        together = batch(order)
+        assert together["shared"] == 1 and {i: together[i] for i in (0, 2)} == alone, order
+    engine.close()
 
 
 def test_which_programs_run_once_for_many_passes():

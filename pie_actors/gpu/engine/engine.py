@@ -326,7 +326,11 @@ class Engine:
         for members in groups.values():
             if len(members) < 2:
                 continue
-            rows = logits[torch.tensor([planned[i].rows.start for i in members], device=logits.device)]
+            starts = [planned[i].rows.start for i in members]
+            if starts == list(range(starts[0], starts[0] + len(starts))):
+                rows = logits[starts[0]:starts[0] + len(starts)]     # a view: a whole step's rows, no copy
+            else:
+                rows = logits[torch.tensor(starts, device=logits.device)]
             epilogues = [planned[i].request.rows_epilogue for i in members]
             try:
                 outputs = epilogues[0].run(rows, epilogues)
