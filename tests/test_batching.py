@@ -170,7 +170,8 @@ def test_first_passes_of_programs_that_start_together_share_one_batch(default_mo
             time.sleep(0.001)
         futures += [engine.submit(PassRequest([Lane(seq, list(range(20 + i, 30 + i)))], epilogue=ARGMAX,
                                               owner=102 + i)) for i, seq in enumerate(seqs[1:])]
-        [f.result(120) for f in futures]
+        for future in futures:
+            future.result(120)
         assert _delta(engine.batch_sizes, before) == {4: 1}      # four prefills, one batch
         assert arrivals.stats()["gathers"] == 1 and arrivals.stats()["holds"] == 0
     finally:
