@@ -14,7 +14,9 @@ from pie_actors.replicas import ENGINE_PREFIX
 from tests.cluster_helpers import DUMMY, GREEDY, WAITER, two_nodes, until
 
 PROMPT = list(range(1, 40))
-LONG = 400                      # tokens a victim would generate: it is killed long before
+LONG = 400                      # tokens of a run that goes to its end
+VICTIM = 1200                   # tokens a run that is killed mid-way would generate: far more than it
+                                # gets to while the test finds its actor (two fit the dummy's 256 pages)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +68,7 @@ def test_a_killed_inferlet_actor_fails_its_process_and_returns_its_pages(cluster
     engine = _engine_on(nodes["a"])
     want = runtime.launch(GREEDY, {"prompt": [5, 6, 7], "n": 24}, node=nodes["a"]).result(timeout=120)
     start = _referenced(engine)
-    victim = runtime.launch(GREEDY, {"prompt": PROMPT, "n": LONG}, node=nodes["a"])
+    victim = runtime.launch(GREEDY, {"prompt": PROMPT, "n": VICTIM}, node=nodes["a"])
     other = runtime.launch(GREEDY, {"prompt": [5, 6, 7], "n": 24}, node=nodes["a"])
     _first_sends(victim, 3)
     ray.kill(_actor_of(victim.name))
@@ -85,7 +87,7 @@ def test_a_killed_engine_fails_its_programs_and_restarts_for_new_ones(cluster):
     engine = _engine_on(nodes["b"])
     want = runtime.launch(GREEDY, {"prompt": [9, 8, 7], "n": 12}, node=nodes["b"]).result(timeout=120)
     before = ray.get(engine.address.remote())
-    running = [runtime.launch(GREEDY, {"prompt": PROMPT, "n": LONG}, node=nodes["b"]) for _ in range(2)]
+    running = [runtime.launch(GREEDY, {"prompt": PROMPT, "n": VICTIM}, node=nodes["b"]) for _ in range(2)]
     for p in running:
         _first_sends(p, 2)
     ray.kill(engine, no_restart=False)                                 # Ray restarts it (max_restarts)
