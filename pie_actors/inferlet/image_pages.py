@@ -20,8 +20,8 @@ difference is exactly the new instance's). Linux 5.14 or later; elsewhere, witho
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
-import resource
 import sys
 import threading
 from typing import Callable, TypeVar
@@ -31,7 +31,7 @@ T = TypeVar("T")
 Mapping = tuple[int, int]          # an instance's mapping of the image: [start, end) addresses
 
 _MADV_POPULATE_WRITE = 23
-_PAGE = resource.getpagesize()
+_PAGE = mmap.PAGESIZE
 
 
 class ImagePages:
