@@ -443,7 +443,8 @@ class Sandbox:
         t0 = time.perf_counter()
         self.component = Component.deserialize_file(self.engine, str(self.artifact.path))
         self.deserialize_s = time.perf_counter() - t0
-        self.image_pages = ImagePages.of(str(self.artifact.path)) if prefault else None
+        path = str(self.artifact.path)
+        self.image_pages = ImagePages.of(path) if prefault else ImagePages(path, enabled=False)
         self._ticker = _EpochTicker.of(self.engine)
         self._tls = threading.local()
         self.linker = Linker(self.engine)
@@ -522,9 +523,8 @@ class Sandbox:
             # the whole instance (its linear memory, ~10 MiB) alive for as long as the error is held.
             trap = None
             try:
-                make = lambda: self.linker.instantiate(store, self.component)
-                instance, image, prefaulted = (self.image_pages.instantiate(make) if self.image_pages
-                                               else (make(), None, 0))
+                instance, image, prefaulted = self.image_pages.instantiate(
+                    lambda: self.linker.instantiate(store, self.component))
             except wasmtime.WasmtimeError as e:     # "... exceeds memory limits", "... table limits"
                 trap = InferletError("memory" if "limits" in str(e) else "trap",
                                      f"could not instantiate the inferlet component: {e}")
@@ -539,8 +539,7 @@ class Sandbox:
             if trap is not None:
                 raise trap
             t2 = time.perf_counter()
-            if self.image_pages:
-                self.image_pages.watch(image)
+            self.image_pages.watch(image)
             if stats is not None:
                 stats.update(instantiate_s=t1 - t0, run_s=t2 - t1, prefaulted=prefaulted)
             assert isinstance(out, Variant), out

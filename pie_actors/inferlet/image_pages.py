@@ -52,9 +52,9 @@ class ImagePages:
                 pages = cls._all[path] = cls(path)
             return pages
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, enabled: bool = True) -> None:
         self.path = path = os.path.realpath(path)
-        self.enabled = sys.platform == "linux" and os.access("/proc/self/pagemap", os.R_OK)
+        self.enabled = enabled and sys.platform == "linux" and os.access("/proc/self/pagemap", os.R_OK)
         self.written: set[int] = set()         # page indexes in the image that watched runs wrote
         self.ranges: list[tuple[int, int]] = []   # (first page, pages) copied into each instance
         self.watched = 0
