@@ -25,6 +25,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -32,6 +33,7 @@ from pathlib import Path
 
 from ..config import pie_home
 from ..program import Manifest
+from .instance_pool import SLOTS, use_pool
 
 HERE = Path(__file__).resolve().parent
 WIT_DIR = HERE / "wit"
@@ -45,15 +47,33 @@ BUNDLE_MODULE = "_pie_bundle"
 ENGINE_SETTINGS: dict[str, object] = {"epoch_interruption": True, "consume_fuel": False}
 
 
-def new_engine():
-    """A wasmtime Engine configured as the cached artifacts expect."""
+def new_engine(slots: int = SLOTS):
+    """A wasmtime Engine configured as the cached artifacts expect. Its instances take `slots`
+    slots of wasmtime's pooling allocator (instance_pool.py: the fast path); 0: no pool, each
+    instance's memory is mapped anew and faults in the pages its run writes."""
     import wasmtime
 
     _keep_guest_traps_catchable()
     config = wasmtime.Config()
     for name, value in ENGINE_SETTINGS.items():
         setattr(config, name, value)
+    if slots:
+        use_pool(config, slots)
     return wasmtime.Engine(config)
+
+
+_shared: tuple[int, object] | None = None      # (the process that made it, the engine)
+_shared_lock = threading.Lock()
+
+
+def shared_engine():
+    """The process's pooled engine, which every Sandbox uses unless given one: one pool of slots
+    for all the components a process runs (each engine reserves a pool's address space)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None or _shared[0] != os.getpid():      # a forked child makes its own
+            _shared = (os.getpid(), new_engine())
+        return _shared[1]
 
 
 def _keep_guest_traps_catchable() -> None:
@@ -272,7 +292,7 @@ def _ensure(name: str, bundle_source: str, engine=None) -> Artifact:
             return _hit(path, key)
         from wasmtime.component import Component
 
-        engine = engine or new_engine()
+        engine = engine or shared_engine()
         with tempfile.TemporaryDirectory(prefix="pie-wasm-") as tmp:
             wasm = Path(tmp) / f"{name}.wasm"
             t0 = time.perf_counter()

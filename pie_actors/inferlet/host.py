@@ -39,12 +39,13 @@ import logging
 import sys
 import threading
 import time
+import traceback
 from collections import deque
 from typing import Any, Callable
 
 from ..config import RunLimits
-from .build import Artifact, Modules, build_bundle, ensure_runner, new_engine
-from .image_pages import ImagePages
+from .build import Artifact, Modules, build_bundle, ensure_runner, shared_engine
+from .instance_pool import EXHAUSTED
 
 __all__ = ["Sandbox", "HostApi", "HostOpError", "FutureTable", "Inbox", "InferletError", "limit_store"]
 
@@ -411,6 +412,15 @@ def _send(run: _Run, msg: str) -> None:
     run.api.send(msg)
 
 
+def _instantiation_error(e: Exception) -> InferletError:
+    text = str(e)
+    if EXHAUSTED in text:      # every slot of the process's instance pool is taken
+        return InferletError("limit", f"too many inferlets at once in this process: {text.splitlines()[0]}")
+    # "... exceeds memory limits", "... table limits": the run's RunLimits
+    kind = "memory" if "limits" in text else "trap"
+    return InferletError(kind, f"could not instantiate the inferlet component: {text}")
+
+
 def limit_store(store, limits: RunLimits) -> None:
     """Bound what a guest in `store` may take: its linear memory, table elements, instances,
     tables and memories (past a bound, memory.grow and table.grow fail; instantiation too)."""
@@ -423,19 +433,18 @@ class Sandbox:
 
     `bundle`: a bundle folder (see build.build_bundle); None for the shared runner. `limits`
     (RunLimits: deadline, memory, tables, message size) are defaults that each run may override. Runs
-    may happen concurrently on different threads. `prefault`: copy the memory image's pages that
-    runs write into each instance before it starts (image_pages.py: the fast path; off, each page
-    is copied when the guest first writes it).
+    may happen concurrently on different threads. `engine`: the wasmtime Engine to compile and run
+    in (default: the process's pooled one, build.shared_engine).
     """
 
-    def __init__(self, bundle=None, *, limits: RunLimits | None = None, engine=None, prefault: bool = True):
+    def __init__(self, bundle=None, *, limits: RunLimits | None = None, engine=None):
         import wasmtime
         from wasmtime.component import Component, Linker
 
         from .wasm_imports import RESULT, STRING, U32, add_func
 
         self._wasmtime = wasmtime
-        self.engine = engine or new_engine()
+        self.engine = engine or shared_engine()
         self.limits = limits or RunLimits()
         self.is_runner = bundle is None        # the plain runner: a bundle's modules come with each run
         self.artifact: Artifact = (build_bundle(bundle, self.engine) if bundle is not None
@@ -443,8 +452,6 @@ class Sandbox:
         t0 = time.perf_counter()
         self.component = Component.deserialize_file(self.engine, str(self.artifact.path))
         self.deserialize_s = time.perf_counter() - t0
-        path = str(self.artifact.path)
-        self.image_pages = ImagePages.of(path) if prefault else ImagePages(path, enabled=False)
         self._ticker = _EpochTicker.of(self.engine)
         self._tls = threading.local()
         self.linker = Linker(self.engine)
@@ -496,8 +503,7 @@ class Sandbox:
         """Run an inferlet: `source` is its main module (empty: a bundle's main.py), `input`
         the JSON-able value given to `main`. Returns main's result; raises InferletError.
         `bundle`: a bundle's modules (build.bundle_modules) for the plain runner to import from.
-        `stats`, when given, receives timings: instantiate_s, run_s, and prefaulted (the image's
-        pages copied into the instance ahead)."""
+        `stats`, when given, receives timings: instantiate_s and run_s."""
         from wasmtime.component import Variant
 
         wasmtime = self._wasmtime
@@ -523,11 +529,10 @@ class Sandbox:
             # the whole instance (its linear memory, ~10 MiB) alive for as long as the error is held.
             trap = None
             try:
-                instance, image, prefaulted = self.image_pages.instantiate(
-                    lambda: self.linker.instantiate(store, self.component))
-            except wasmtime.WasmtimeError as e:     # "... exceeds memory limits", "... table limits"
-                trap = InferletError("memory" if "limits" in str(e) else "trap",
-                                     f"could not instantiate the inferlet component: {e}")
+                instance = self.linker.instantiate(store, self.component)
+            except wasmtime.WasmtimeError as e:
+                trap = _instantiation_error(e)
+                traceback.clear_frames(e.__traceback__)     # (as below)
             if trap is not None:
                 raise trap
             func = instance.get_func(store, "run")
@@ -536,12 +541,14 @@ class Sandbox:
                 out = func(store, source, _dumps(input), _dumps(bundle) if bundle else "")
             except wasmtime.WasmtimeError as e:
                 trap = self._classify_trap(run, e, timeout)
+                # wasmtime-py's frame that raised the error holds it and the store: a cycle that
+                # would keep the instance (its pool slot) until a collection
+                traceback.clear_frames(e.__traceback__)
             if trap is not None:
                 raise trap
             t2 = time.perf_counter()
-            self.image_pages.watch(image)
             if stats is not None:
-                stats.update(instantiate_s=t1 - t0, run_s=t2 - t1, prefaulted=prefaulted)
+                stats.update(instantiate_s=t1 - t0, run_s=t2 - t1)
             assert isinstance(out, Variant), out
             if out.tag == "ok":
                 return json.loads(out.payload)
