@@ -151,28 +151,94 @@ def test_the_wait_policy_gathers_new_programs_and_holds_for_served_ones():
                                                                                   "expired": 1}
 
 
-def test_first_passes_of_programs_that_start_together_share_one_batch(default_model_dir, monkeypatch):
-    """On the engine: the first pass of a new program holds the step for others' first passes, so
-    prefills that arrive close together run as one batch. The bound is half a step here (a long
-    first step, no round trip measured), so the test's own pace does not decide it."""
-    monkeypatch.setattr(Arrivals, "FIRST_RTT_S", 10.0)
-    engine = make_engine(default_model_dir, num_pages=64).start()
+def test_the_gather_waits_for_programs_that_connected_and_not_for_a_lone_one():
+    """Arrivals alone, on a clock the test moves: a program whose host connected at its launch is
+    starting until its first pass (or its idle); first passes wait for starting programs up to a
+    step, and go at once when nothing else is on its way."""
+    def fresh() -> Arrivals:
+        arrivals = Arrivals()
+        arrivals.served([None], set(), now=0.0, step_s=0.1)
+        return arrivals
+
+    lone = fresh()
+    lone.connected(1)
+    lone.arrived(1, 1.0)
+    assert lone.wait_left(1.0, {1: ...}) == 0.0 and lone.stats()["gathers"] == 0
+
+    three = fresh()
+    for owner in (1, 2, 3):
+        three.connected(owner)
+    three.arrived(1, 1.0)
+    assert three.wait_left(1.0, {1: ...}) == pytest.approx(0.1)            # up to a step for 2 and 3
+    three.arrived(2, 1.02)
+    assert three.wait_left(1.02, {1: ..., 2: ...}) == pytest.approx(0.08)
+    three.idle(3)                                                          # 3 awaits its client
+    assert three.wait_left(1.03, {1: ..., 2: ...}) == 0.0
+    assert three.stats()["gathers"] == 1
+
+    late = fresh()
+    late.connected(1)
+    late.connected(2)
+    late.arrived(1, 1.0)
+    assert late.wait_left(1.05, {1: ...}) == pytest.approx(0.05)
+    assert late.wait_left(1.1, {1: ...}) == 0.0                            # 2 is a step late: not waited for
+    late.arrived(2, 1.3)
+    late.forget(2)
+    assert late.starting == set()
+
+
+def _warmed_engine(model_dir):
+    engine = make_engine(model_dir, num_pages=64).start()
+    warm = engine.create_sequence()     # no owner: times a step, and nobody is expected after it
+    engine.submit(PassRequest([Lane(warm, list(range(100, 400)))], epilogue=ARGMAX)).result(120)
+    return engine
+
+
+def _first_passes_of_four_share_one_batch(engine) -> None:
+    """Programs 101-104 submit their first passes: the first one's step holds (a gather) until the
+    other three have theirs in, and the four prefills run as one batch."""
+    arrivals, before = engine.scheduler.arrivals, dict(engine.batch_sizes)
+    seqs = [engine.create_sequence() for _ in range(4)]
+    futures = [engine.submit(PassRequest([Lane(seqs[0], list(range(10, 20)))], epilogue=ARGMAX, owner=101))]
+    deadline = time.monotonic() + 60
+    while arrivals.stats()["gathers"] == 0:          # the step is holding for more first passes
+        assert time.monotonic() < deadline and not futures[0].done(), "the first pass ran alone"
+        time.sleep(0.001)
+    futures += [engine.submit(PassRequest([Lane(seq, list(range(20 + i, 30 + i)))], epilogue=ARGMAX,
+                                          owner=102 + i)) for i, seq in enumerate(seqs[1:])]
+    for future in futures:
+        future.result(120)
+    assert _delta(engine.batch_sizes, before) == {4: 1}
+
+
+def test_programs_connected_together_share_their_first_batch_and_a_lone_one_is_not_held(default_model_dir):
+    """On the engine: first passes wait for the programs that connected and have not submitted yet,
+    and a lone program's first pass runs without a gather."""
+    engine = _warmed_engine(default_model_dir)
     try:
-        warm = engine.create_sequence()     # no owner: times a step, and nobody is expected after it
-        engine.submit(PassRequest([Lane(warm, list(range(100, 400)))], epilogue=ARGMAX)).result(120)
-        before, arrivals = dict(engine.batch_sizes), engine.scheduler.arrivals
+        engine.connected(100)
+        engine.submit(PassRequest([Lane(engine.create_sequence(), list(range(10, 20)))], epilogue=ARGMAX,
+                                  owner=100)).result(120)
+        assert engine.scheduler.arrivals.stats()["gathers"] == 0            # alone: not held
+        engine.forget(100)                                                   # it ended
+        for owner in range(101, 105):
+            engine.connected(owner)
+        _first_passes_of_four_share_one_batch(engine)
+    finally:
+        engine.close()
+
+
+def test_first_passes_of_programs_that_start_together_share_one_batch(default_model_dir, monkeypatch):
+    """On the engine: the first pass of a new program that did not connect ahead holds the step for
+    others' first passes, so prefills that arrive close together run as one batch. The bound is
+    half a step here (a long first step, no round trip measured), so the test's own pace does not
+    decide it."""
+    monkeypatch.setattr(Arrivals, "FIRST_RTT_S", 10.0)
+    engine = _warmed_engine(default_model_dir)
+    try:
+        arrivals = engine.scheduler.arrivals
         assert arrivals.bound() > 0.02, arrivals.stats()
-        seqs = [engine.create_sequence() for _ in range(4)]
-        futures = [engine.submit(PassRequest([Lane(seqs[0], list(range(10, 20)))], epilogue=ARGMAX, owner=101))]
-        deadline = time.monotonic() + 60
-        while arrivals.stats()["gathers"] == 0:          # the step is holding for more first passes
-            assert time.monotonic() < deadline and not futures[0].done(), "the first pass ran alone"
-            time.sleep(0.001)
-        futures += [engine.submit(PassRequest([Lane(seq, list(range(20 + i, 30 + i)))], epilogue=ARGMAX,
-                                              owner=102 + i)) for i, seq in enumerate(seqs[1:])]
-        for future in futures:
-            future.result(120)
-        assert _delta(engine.batch_sizes, before) == {4: 1}      # four prefills, one batch
+        _first_passes_of_four_share_one_batch(engine)
         assert arrivals.stats()["gathers"] == 1 and arrivals.stats()["holds"] == 0
     finally:
         engine.close()

@@ -206,6 +206,7 @@ class EngineServer:
             return
         conn = _Connection(self, writer, *accepted)
         self._connections.add(conn)
+        self.engine.connected(conn.id)
         try:
             while True:
                 try:

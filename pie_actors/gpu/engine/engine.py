@@ -214,6 +214,11 @@ class Engine:
             self._lock.notify()
         return request.future
 
+    def connected(self, owner: int) -> None:
+        """Program `owner` connected; the batch of first passes waits for it a while (scheduler.py)."""
+        with self._lock:
+            self.scheduler.arrivals.connected(owner)
+
     def idle(self, owner: int) -> None:
         """Program `owner` waits on something other than the engine: the next batch does not wait
         for it (scheduler.py, `Arrivals`)."""

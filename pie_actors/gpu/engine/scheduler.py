@@ -27,11 +27,20 @@ step ended. The bound is twice the 90th percentile of the round trips measured (
 submission), and never more than half a step (an exponential average of step times): a lone
 program is never delayed more than that, and never at all once it has submitted, since then
 nothing is expected. Programs that arrive after the bound are not waited for in that step, but
-their round trip is still measured, so the bound follows what the hosts take. Programs that start
-together are gathered the same way: when every pending pass is the first of its program and no
-program is expected, the step waits the bound after the first of them arrived, so their prefills
-share one batch and their decode steps stay in phase. Passes without an owner (`Engine.generate`)
-are never waited for.
+their round trip is still measured, so the bound follows what the hosts take.
+
+Programs that start together are gathered: when every pending pass is the first of its program
+and no program is expected, the step waits for more first passes, so that their prefills share
+one batch and their decode steps stay in phase (a prefill of the first few, run without the rest,
+costs a step of its own, and the rest then end a step later). A program whose host connects at
+its launch (`Engine.connected`: runs given the engine's address do) is *starting* until its first
+pass comes or it says it is idle. While any program is starting, the step waits for it, up to one
+step after the first of the pending passes arrived: N programs launched at once on a busy host take
+about that long to start. When none is starting and each pending program connected at its launch,
+nothing else is on its way, and the step goes at once: a lone program is not delayed at all. Only
+programs that connect with their first pass (a run that chooses its replica by that pass) leave the
+engine blind to what comes, and then the step waits the bound after the first of them. Passes
+without an owner (`Engine.generate`) are never waited for.
 
 The Engine owns the lock: every method here is called with the engine's lock held.
 """
@@ -154,7 +163,9 @@ class Arrivals:
         self.expected: dict[int, float] = {}    # owner -> when its pass was answered (waited for)
         self.late: dict[int, float] = {}        # the same, past the bound (measured, not waited for)
         self.known: set[int] = set()            # owners served at least once
+        self.starting: set[int] = set()         # owners connected that have not submitted a pass yet
         self._first_new: float | None = None    # when the first pass of a new program arrived
+        self._unannounced = False               # ... and one of them did not connect at its launch
         self.step_end = 0.0
         self.step_s = 0.0                       # exponential average of step times
         self._rtts: deque[float] = deque(maxlen=self.SAMPLES)
@@ -182,10 +193,20 @@ class Arrivals:
                 self.expected[owner] = now
         self.known.update(o for o in owners if o is not None)
         self._first_new = now if any(o is not None and o not in self.known for o in pending) else None
+        self._unannounced = self._unannounced and self._first_new is not None
+
+    def connected(self, owner: int) -> None:
+        """A program's host connected; its first pass is coming."""
+        if self.enabled:
+            self.starting.add(owner)
 
     def arrived(self, owner: int | None, now: float) -> None:
-        if owner is not None and owner not in self.known and self._first_new is None:
-            self._first_new = now
+        announced = owner in self.starting
+        self.starting.discard(owner)
+        if owner is not None and owner not in self.known:
+            if self._first_new is None:
+                self._first_new = now
+            self._unannounced = self._unannounced or not announced
         since = self.expected.pop(owner, None)
         if since is None:
             since = self.late.pop(owner, None)
@@ -195,6 +216,7 @@ class Arrivals:
 
     def idle(self, owner: int | None) -> None:
         """The program waits on something other than the engine: do not wait for it."""
+        self.starting.discard(owner)
         self.expected.pop(owner, None)
         self.late.pop(owner, None)
 
@@ -211,7 +233,8 @@ class Arrivals:
         if self.expected:
             deadline = self.step_end + self.bound()
         elif self._first_new is not None and all(o is not None and o not in self.known for o in pending):
-            deadline, gathering = self._first_new + self.bound(), True
+            wait = self.step_s if self.starting else self.bound() if self._unannounced else 0.0
+            deadline, gathering = self._first_new + wait, True
         if deadline is not None:
             if now < deadline:
                 if self._hold_start is None:
@@ -225,7 +248,7 @@ class Arrivals:
                 self.expired += 1
                 self.late.update(self.expected)
                 self.expected.clear()
-            self._first_new = None
+            self._first_new, self._unannounced = None, False
         if self._hold_start is not None:
             self.held_s += now - self._hold_start
             self._hold_start = None
