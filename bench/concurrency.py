@@ -166,7 +166,7 @@ def measure(kind: str, path: str, runtime: Runtime, reference_runtime: Runtime |
     engine.generate."""
     rows = []
     for loop in loops:
-        run_batch(runtime, LOOPS[loop], 2, 4)                          # warm-up: sandbox, programs
+        run_batch(runtime, LOOPS[loop], max(clients), 4)    # warm-up: sandbox, its instance slots, programs
         for n in clients:
             results = []
             for _ in range(rounds):
