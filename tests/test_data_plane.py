@@ -146,6 +146,33 @@ def test_bad_requests_fail_alone(served):
     assert raw[-1]["result"]["model"] == "smollm2-135m-instruct"
 
 
+def test_a_connection_made_at_a_launch_is_starting_until_its_first_pass(served):
+    """The handshake's `starting` puts the connection among the programs whose first pass the
+    scheduler's gather waits for; its first pass takes it out, and so does closing. A connection
+    without it is never waited for."""
+    engine, server = served
+    starting, start = engine.scheduler.arrivals.starting, referenced(server)
+
+    async def main():
+        async with await EngineClient.connect(*server.address, starting=True) as launched, \
+                await EngineClient.connect(*server.address) as plain:
+            await plain.info()
+            assert len(starting) == 1                  # the launched one, not the plain one
+            seq = await launched.create()              # not a pass: still starting
+            assert len(starting) == 1
+            await launched.forward([{"seq": seq, "tokens": [1, 2, 3]}])
+            assert not starting
+            closed = await EngineClient.connect(*server.address, starting=True)
+            assert len(starting) == 1
+            await closed.close()
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 10
+    while (starting or server.stats()["connections"] or referenced(server) != start) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not starting and referenced(server) == start
+
+
 def test_closing_a_connection_frees_its_sequences(served):
     engine, server = served
     prompt = engine.tokenizer.encode(PROMPTS[2] * 6)    # several pages

@@ -49,14 +49,15 @@ class EngineClient:
 
     @classmethod
     async def connect(cls, host: str, port: int, secret: bytes, owner: str | None = None,
-                      kv_pages: int = 0) -> EngineClient:
+                      kv_pages: int = 0, starting: bool = False) -> EngineClient:
         """Connect and prove the engine's `secret` (the handshake in wire.py) for a program of
-        `owner`, whose working sets may hold `kv_pages` pages together (0: no bound);
-        `EngineClient.connect(*address)` takes a `wire.EngineAddress`. A refused proof is an
-        EngineError("Unauthorized")."""
+        `owner`, whose working sets may hold `kv_pages` pages together (0: no bound); `starting`:
+        the program is being launched and its first pass is to come (the engine gathers first
+        passes for it). `EngineClient.connect(*address)` takes a `wire.EngineAddress`. A refused
+        proof is an EngineError("Unauthorized")."""
         reader, writer = await asyncio.open_connection(host, port)
         try:
-            await cls.handshake(reader, writer, secret, owner, kv_pages)
+            await cls.handshake(reader, writer, secret, owner, kv_pages, starting)
         except BaseException:
             writer.close()
             raise
@@ -64,13 +65,14 @@ class EngineClient:
 
     @staticmethod
     async def handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes,
-                        owner: str | None = None, kv_pages: int = 0) -> None:
+                        owner: str | None = None, kv_pages: int = 0, starting: bool = False) -> None:
         """Answer the server's hello with the proof of `secret` and wait for its "ready"."""
         hello = wire.unpack(await wire.read_frame(reader, wire.MAX_AUTH_FRAME))
         nonce = hello.get("hello") if isinstance(hello, dict) else None
         if not isinstance(nonce, bytes):
             raise EngineError("Unauthorized", "the server did not open with a data-plane hello")
-        writer.write(wire.pack({"auth": wire.proof(secret, nonce), "owner": owner, "kv_pages": kv_pages}))
+        writer.write(wire.pack({"auth": wire.proof(secret, nonce), "owner": owner, "kv_pages": kv_pages,
+                                "starting": starting}))
         answer = wire.unpack(await wire.read_frame(reader, wire.MAX_AUTH_FRAME))
         if "error" in answer:
             raise EngineError(answer["error"]["type"], answer["error"]["message"])

@@ -108,7 +108,7 @@ class RunState:
         self._choice = engine if isinstance(engine, EngineChoice) else None
         try:
             if self._choice is None:
-                self._connect(engine)
+                self._connect(engine, starting=True)     # at the launch: the first pass is to come
                 self.info: wire.Info = self._wait(self.client.info(), CONNECT_TIMEOUT_S)
             else:
                 self.info = self._choice.info
@@ -149,9 +149,9 @@ class RunState:
         """Whether the run's engine connection ended from the engine's side."""
         return self.client is not None and self.client.lost_engine
 
-    def _connect(self, address: wire.EngineAddress) -> None:
-        client = self._wait(EngineClient.connect(*address, owner=self.owner, kv_pages=self.limits.kv_pages),
-                            CONNECT_TIMEOUT_S)
+    def _connect(self, address: wire.EngineAddress, starting: bool = False) -> None:
+        client = self._wait(EngineClient.connect(*address, owner=self.owner, kv_pages=self.limits.kv_pages,
+                                                 starting=starting), CONNECT_TIMEOUT_S)
         client.on_push = self._push
         self.client = client
 

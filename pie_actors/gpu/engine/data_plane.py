@@ -177,9 +177,10 @@ class EngineServer:
         loop.close()
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-                         ) -> tuple[str | None, int] | None:
-        """The owner and partition root of a connection that proves the secret (wire.py); None,
-        after an Unauthorized error frame, for one that does not."""
+                         ) -> tuple[str | None, int, bool] | None:
+        """The owner, partition root and `starting` flag of a connection that proves the secret
+        (wire.py; the caller says "ready"); None, after an Unauthorized error frame, for one that
+        does not."""
         nonce = secrets.token_bytes(wire.NONCE_BYTES)
         writer.write(wire.pack({"hello": nonce}))
         try:
@@ -187,26 +188,30 @@ class EngineServer:
             answer = wire.unpack(body)
         except Exception:                       # gone, too slow, too large, not msgpack: no proof
             answer = None
-        owner, pages = (answer.get("owner"), answer.get("kv_pages", 0)) if isinstance(answer, dict) else (None, 0)
+        if not isinstance(answer, dict):
+            answer = {}
+        owner, pages, starting = answer.get("owner"), answer.get("kv_pages", 0), answer.get("starting", False)
         if not wire.proves(self.secret, nonce, answer) or not (owner is None or isinstance(owner, str)) \
-                or type(pages) is not int or pages < 0:
+                or type(pages) is not int or pages < 0 or type(starting) is not bool:
             self.refused += 1
             writer.write(wire.pack(wire.error(None, "Unauthorized", "the connection did not prove the engine's "
                                               "secret: the handshake answers the hello with its HMAC")))
             return None
         partition = partition_root(self.secret, owner)
         self.engine.limit_pages(partition, pages)
-        writer.write(wire.pack(wire.reply(None, "ready")))
-        return owner, partition
+        return owner, partition, starting
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         accepted = await self._handshake(reader, writer)
         if accepted is None:
             writer.close()
             return
-        conn = _Connection(self, writer, *accepted)
+        owner, partition, starting = accepted
+        conn = _Connection(self, writer, owner, partition)
         self._connections.add(conn)
-        self.engine.connected(conn.id)
+        if starting:
+            self.engine.connected(conn.id)
+        writer.write(wire.pack(wire.reply(None, "ready")))     # the client's requests follow this
         try:
             while True:
                 try:

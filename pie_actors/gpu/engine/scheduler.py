@@ -33,8 +33,8 @@ Programs that start together are gathered: when every pending pass is the first 
 and no program is expected, the step waits for more first passes, so that their prefills share
 one batch and their decode steps stay in phase (a prefill of the first few, run without the rest,
 costs a step of its own, and the rest then end a step later). A program whose host connects at
-its launch (`Engine.connected`: runs given the engine's address do) is *starting* until its first
-pass comes or it says it is idle. While any program is starting, the step waits for it, up to one
+its launch (runs given the engine's address do, and say so in the data plane's handshake:
+`Engine.connected`) is *starting* until its first pass comes or it says it is idle. While any program is starting, the step waits for it, up to one
 step after the first of the pending passes arrived: N programs launched at once on a busy host take
 about that long to start. When none is starting and each pending program connected at its launch,
 nothing else is on its way, and the step goes at once: a lone program is not delayed at all. Only

@@ -3,13 +3,14 @@
 A connection first proves the engine's secret (`EngineAddress.secret`, made when the engine starts
 and handed by the runtime to its own actors only). The server opens with `{"hello": nonce}` (32
 random bytes); the client answers `{"auth": proof(secret, nonce), "owner": str | nil,
-["kv_pages": n]}` (an HMAC of the nonce: the secret itself never crosses the socket); the server
-replies `{"id": nil, "result": "ready"}`, or an Unauthorized error frame and closes, before it
-reads any request. `owner` is the owner of the program the connection serves: the engine derives
+["kv_pages": n], ["starting": bool]}` (an HMAC of the nonce: the secret itself never crosses the
+socket); the server replies `{"id": nil, "result": "ready"}`, or an Unauthorized error frame and
+closes, before it reads any request. `owner` is the owner of the program the connection serves: the engine derives
 the connection's prefix-cache partition from it with its secret (kvstore/prefix.py), so only that
 owner's connections share cached pages. `kv_pages` bounds the pages that owner's working sets hold
 together (0: no bound; the latest connection's value holds for the owner); past it an allocation
-fails with QuotaExceeded.
+fails with QuotaExceeded. `starting`: the connection is made at its program's launch, whose first
+pass is still to come (the scheduler's gather of first passes waits for it: scheduler.py).
 
 A client sends requests `{"id": int, "op": str, ...fields}`; the engine answers each with
 `{"id": id, "result": ...}` or `{"id": id, "error": {"type": str, "message": str}}`. Many requests
