@@ -165,7 +165,7 @@ class Arrivals:
         self.known: set[int] = set()            # owners served at least once
         self.starting: set[int] = set()         # owners connected that have not submitted a pass yet
         self._first_new: float | None = None    # when the first pass of a new program arrived
-        self._unannounced = False               # ... and one of them did not connect at its launch
+        self._unannounced = False               # whether one of those programs did not connect at its launch
         self.step_end = 0.0
         self.step_s = 0.0                       # exponential average of step times
         self._rtts: deque[float] = deque(maxlen=self.SAMPLES)
@@ -196,7 +196,7 @@ class Arrivals:
         self._unannounced = self._unannounced and self._first_new is not None
 
     def connected(self, owner: int) -> None:
-        """A program's host connected; its first pass is coming."""
+        """A program's host connected at its launch; its first pass is coming."""
         if self.enabled:
             self.starting.add(owner)
 
