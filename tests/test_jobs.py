@@ -88,7 +88,7 @@ def test_ray_job_submit_runs_a_bundle_on_the_clusters_engine(default_model_dir, 
         job = jobs.submit_job(entrypoint=entry, runtime_env={"working_dir": str(bundle)})
         deadline = time.monotonic() + 300
         while (status := jobs.get_job_status(job)) not in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
-            assert time.monotonic() < deadline, "the job did not end"
+            assert time.monotonic() < deadline, f"the job did not end: {jobs.get_job_logs(job)[-3000:]}"
             time.sleep(1)
         logs = jobs.get_job_logs(job)
         assert status == JobStatus.SUCCEEDED, logs[-3000:]
