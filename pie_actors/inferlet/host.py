@@ -527,12 +527,14 @@ class Sandbox:
             # Each failure is raised outside its `except`: a wasmtime error's traceback holds the
             # frames that were given the store, so an InferletError with it as __context__ would keep
             # the whole instance (its linear memory, ~10 MiB) alive for as long as the error is held.
+            # And wasmtime-py's frame that raised it holds the error and the store, a cycle that would
+            # keep the instance (its pool slot) until a collection: its frames are cleared when caught.
             trap = None
             try:
                 instance = self.linker.instantiate(store, self.component)
             except wasmtime.WasmtimeError as e:
                 trap = _instantiation_error(e)
-                traceback.clear_frames(e.__traceback__)     # (as below)
+                traceback.clear_frames(e.__traceback__)
             if trap is not None:
                 raise trap
             func = instance.get_func(store, "run")
@@ -541,8 +543,6 @@ class Sandbox:
                 out = func(store, source, _dumps(input), _dumps(bundle) if bundle else "")
             except wasmtime.WasmtimeError as e:
                 trap = self._classify_trap(run, e, timeout)
-                # wasmtime-py's frame that raised the error holds it and the store: a cycle that
-                # would keep the instance (its pool slot) until a collection
                 traceback.clear_frames(e.__traceback__)
             if trap is not None:
                 raise trap

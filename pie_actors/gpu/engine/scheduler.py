@@ -34,8 +34,9 @@ and no program is expected, the step waits for more first passes, so that their 
 one batch and their decode steps stay in phase (a prefill of the first few, run without the rest,
 costs a step of its own, and the rest then end a step later). A program whose host connects at
 its launch (runs given the engine's address do, and say so in the data plane's handshake:
-`Engine.connected`) is *starting* until its first pass comes or it says it is idle. While any program is starting, the step waits for it, up to one
-step after the first of the pending passes arrived: N programs launched at once on a busy host take
+`Engine.connected`) is *starting* until its first pass comes or it says it is idle. While any
+program is starting, the step waits for it, up to one step after the first of the pending passes
+arrived: N programs launched at once on a busy host take
 about that long to start. When none is starting and each pending program connected at its launch,
 nothing else is on its way, and the step goes at once: a lone program is not delayed at all. Only
 programs that connect with their first pass (a run that chooses its replica by that pass) leave the
@@ -163,9 +164,9 @@ class Arrivals:
         self.expected: dict[int, float] = {}    # owner -> when its pass was answered (waited for)
         self.late: dict[int, float] = {}        # the same, past the bound (measured, not waited for)
         self.known: set[int] = set()            # owners served at least once
-        self.starting: set[int] = set()         # owners connected that have not submitted a pass yet
+        self.launched: set[int] = set()         # owners that connected at their launch
+        self.starting: set[int] = set()         # ... and have not submitted a pass yet
         self._first_new: float | None = None    # when the first pass of a new program arrived
-        self._unannounced = False               # whether one of those programs did not connect at its launch
         self.step_end = 0.0
         self.step_s = 0.0                       # exponential average of step times
         self._rtts: deque[float] = deque(maxlen=self.SAMPLES)
@@ -193,20 +194,17 @@ class Arrivals:
                 self.expected[owner] = now
         self.known.update(o for o in owners if o is not None)
         self._first_new = now if any(o is not None and o not in self.known for o in pending) else None
-        self._unannounced = self._unannounced and self._first_new is not None
 
     def connected(self, owner: int) -> None:
         """A program's host connected at its launch; its first pass is coming."""
         if self.enabled:
+            self.launched.add(owner)
             self.starting.add(owner)
 
     def arrived(self, owner: int | None, now: float) -> None:
-        announced = owner in self.starting
         self.starting.discard(owner)
-        if owner is not None and owner not in self.known:
-            if self._first_new is None:
-                self._first_new = now
-            self._unannounced = self._unannounced or not announced
+        if owner is not None and owner not in self.known and self._first_new is None:
+            self._first_new = now
         since = self.expected.pop(owner, None)
         if since is None:
             since = self.late.pop(owner, None)
@@ -224,6 +222,7 @@ class Arrivals:
         """The program is gone."""
         self.idle(owner)
         self.known.discard(owner)
+        self.launched.discard(owner)
 
     def wait_left(self, now: float, pending: Iterable[int | None]) -> float:
         """Seconds the next step, of the `pending` passes' owners, should still wait (0: now)."""
@@ -233,7 +232,8 @@ class Arrivals:
         if self.expected:
             deadline = self.step_end + self.bound()
         elif self._first_new is not None and all(o is not None and o not in self.known for o in pending):
-            wait = self.step_s if self.starting else self.bound() if self._unannounced else 0.0
+            unannounced = any(o not in self.launched for o in pending)
+            wait = self.step_s if self.starting else self.bound() if unannounced else 0.0
             deadline, gathering = self._first_new + wait, True
         if deadline is not None:
             if now < deadline:
@@ -248,7 +248,7 @@ class Arrivals:
                 self.expired += 1
                 self.late.update(self.expected)
                 self.expected.clear()
-            self._first_new, self._unannounced = None, False
+            self._first_new = None
         if self._hold_start is not None:
             self.held_s += now - self._hold_start
             self._hold_start = None
