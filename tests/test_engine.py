@@ -1,6 +1,7 @@
 """Engine behaviour on the default model: batching, prefix sharing, fork, bad input."""
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -161,6 +162,21 @@ def test_concurrent_clients_with_background_loop(default_model_dir):
     assert results == want
     assert max(eng.batch_sizes) > 1
     eng.kv.check()
+
+
+def test_a_started_engine_freezes_the_heap_a_collection_would_walk_and_close_thaws_it(default_model_dir):
+    eng = make_engine(default_model_dir, num_pages=64)
+    assert any(o is eng for o in gc.get_objects())       # collections walk what is not frozen
+    eng.start()
+    try:
+        assert gc.get_freeze_count() > 0
+        assert not any(o is eng for o in gc.get_objects())
+        prompt = eng.tokenizer.encode(PROMPTS[0])
+        assert eng.generate([prompt], 2, ignore_eos=True) == make_engine(default_model_dir).generate([prompt], 2, ignore_eos=True)
+    finally:
+        eng.close()
+    assert gc.get_freeze_count() == 0
+    assert any(o is eng for o in gc.get_objects())
 
 
 # ---- bad input: a clear error for the bad pass, the others still served ---------------------------

@@ -8,6 +8,7 @@ fails alone: the scheduler rejects it while planning, and a failing epilogue rol
 """
 from __future__ import annotations
 
+import gc
 import socket
 import threading
 import time
@@ -359,7 +360,15 @@ class Engine:
 
     # ---- background loop ---------------------------------------------------------------------
     def start(self) -> "Engine":
-        """Serve submitted passes from a background thread until `close`."""
+        """Serve submitted passes from a background thread until `close`.
+
+        It freezes the heap the process has built so far (`gc.freeze`): the model, the tokenizer
+        and the libraries hold some 330,000 objects, and a full collection walking them holds the
+        interpreter lock for ~160 ms, a stall of every step and program in the process that came
+        every few batches ("Programs at once" in bench/RESULTS.md). `close` thaws it again, so what a
+        closed engine leaves in reference cycles is collected."""
+        gc.collect()
+        gc.freeze()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
         return self
@@ -384,6 +393,7 @@ class Engine:
             self._lock.notify_all()
         if self._thread:
             self._thread.join()
+            gc.unfreeze()
         if self._remote:
             import ray
             self.worker.comm.broadcast_object(None)
