@@ -20,8 +20,9 @@ drifts by more than the gaps measured. The Ray rows are compared with the local 
 engine.generate (same engine settings, same machine). Wall time runs from the first launch to the
 last result; tokens/s = N x tokens / wall time (the median round's). Per row: the decode-step
 histogram (lanes: steps) of the median round from the engine's statistics, and, in process, the CPU
-time per token of the program side (the sandboxed guest and its host: the threads each run starts)
-and of the data plane's server thread (in this process on the local path only).
+time per token of the program side (the sandboxed guest and its host: the threads each run starts,
+and the host loop they share) and of the data plane's server thread (in this process on the local
+path only).
 """
 from __future__ import annotations
 
@@ -86,12 +87,12 @@ def run_batch(runtime: Runtime, program: Program, n: int, tokens: int) -> dict:
     assert all(len(o["tokens"] if "tokens" in o else o["text"]) for o in outputs)
     steps = {k: v - before.get(k, 0) for k, v in runtime.stats()["decode_batch_sizes"].items()
              if v - before.get(k, 0)}
-    # threads alive before and after are the engine's, its kernels' and the data plane's; the rest
-    # were started by the runs (the guest's and its host's)
-    lasting = sum(tasks[t] - tasks0[t] for t in tasks if t in tasks0)
-    server = _thread_id("engine-server")
+    # threads alive before and after are the engine's, its kernels' and the data plane's, and the
+    # runs' shared host loop (theirs); the rest were started by the runs (each guest and its host calls)
+    loop, server = _thread_id("inferlet-host"), _thread_id("engine-server")
+    engine_side = sum(tasks[t] - tasks0[t] for t in tasks if t in tasks0 and t != loop)
     plane = tasks.get(server, 0.0) - tasks0.get(server, 0.0) if server else 0.0
-    return {"wall": wall, "steps": steps, "host_cpu": cpu - lasting, "plane_cpu": plane}
+    return {"wall": wall, "steps": steps, "host_cpu": cpu - engine_side, "plane_cpu": plane}
 
 
 def reference(runtime: Runtime, n: int, tokens: int) -> float:
