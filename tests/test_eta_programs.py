@@ -150,6 +150,70 @@ def test_run_ahead_wakes_its_reader_once_per_wake_every_tokens(runtime):
     settle(runtime, start)
 
 
+# RUN_AHEAD woken once per `wake_every` tokens, counting the host calls its reads make
+BURSTS = RUN_AHEAD.replace("from inferlet import chat, model", "from collections import Counter\nfrom inferlet import _host, chat, model").replace(
+    "async def main(input):\n", "async def main(input):\n    calls, call = Counter(), _host.call\n\n"
+    "    def counted(op, args=None):\n        calls[op] += 1\n        return call(op, args)\n    _host.call = counted\n").replace(
+    "on_token)", "on_token, wake_every=input['wake_every'])").replace(
+    '"next": token_in.take()}', '"next": token_in.take(), "reads": calls["chan.take_scalar"]}')
+assert "_host.call = counted" in BURSTS and "wake_every=" in BURSTS and '"reads"' in BURSTS   # the edits found their lines
+
+
+def test_a_run_ahead_reader_is_handed_a_burst_of_tokens_a_host_call(runtime):
+    engine = runtime.engine
+    start = referenced(runtime)
+    n, k = 33, RunLimits.run_ahead_window
+    want = engine.generate([engine.tokenizer.encode(PROMPT)], n, ignore_eos=True)[0]
+    out = run(runtime, BURSTS, {"prompt": PROMPT, "n": n, "budget": 100, "wake_every": k})
+    assert out["tokens"] == want and out["kept"] == n - 1 and out["next"] == [want[-1]]
+    # every value there is handed over at once, the rest of its burst read without a host call
+    assert out["reads"] <= 2 * -(-(n - 1) // k), out["reads"]
+    settle(runtime, start)
+
+
+# Three readers wait on one channel together and one of them is cancelled: the values go, in order,
+# to the readers still waiting and to the read after them; the cancelled one takes none with it
+READERS = """
+import asyncio
+from inferlet import chat, model
+from inferlet.eta import (Channel, ForwardPass, Pipeline, StateGeometry, WorkingSet, dtype, intrinsics,
+                          reduce_argmax, reshape)
+
+async def main(input):
+    tokens = chat.prefix() + model.encode(input["prompt"])
+    ws, pipe, out = WorkingSet(), Pipeline(), Channel([1], dtype.i32).capacity(8)
+    readers = [asyncio.ensure_future(out.take_scalar()) for _ in range(3)]
+    await asyncio.sleep(0)
+    readers[1].cancel()
+    done, passes = 0, []
+    for _ in range(3):
+        fwd = ForwardPass()
+        fwd.embed(tokens[done:])
+        fwd.state([ws], StateGeometry.folding())
+
+        @fwd.epilogue
+        def token():
+            chosen = reduce_argmax(intrinsics.output(0, "logits"))
+            out.put(reshape(chosen, [1]))
+            return chosen
+        pipe.submit(fwd)
+        done = len(tokens)
+        tokens.append(await token)
+        passes.append(tokens[-1])
+    read = [await readers[0], await readers[2], await out.take_scalar()]
+    return {"passes": passes, "read": read, "cancelled": readers[1].cancelled()}
+"""
+
+
+def test_readers_waiting_together_on_a_channel_get_its_values_in_order(runtime):
+    engine = runtime.engine
+    start = referenced(runtime)
+    out = run(runtime, READERS, {"prompt": PROMPT}, timeout=60)
+    assert out["passes"] == engine.generate([engine.tokenizer.encode(PROMPT)], 3, ignore_eos=True)[0]
+    assert out["read"] == out["passes"] and out["cancelled"]
+    settle(runtime, start)
+
+
 SAMPLER = """
 from inferlet import chat, model
 from inferlet.eta import (Channel, ForwardPass, Pipeline, StateGeometry, WorkingSet, broadcast, dtype, ge,

@@ -9,7 +9,7 @@ It receives the run's `RunState`: the engine connection (`client`, on the loop t
 - Epilogues and prologues are eta programs: the guest's traced IR, its channels renamed to the
   engine's, is registered with the engine (compiled once per engine by IR hash).
 - A channel the guest reads with `take_scalar` is subscribed: the engine pushes every value put
-  into it, so reading a token costs no request.
+  into it, so reading a token costs no request, and the guest is handed every value there at once.
 - A run whose engine is chosen at its first pass (run_state.EngineChoice) keeps the working sets,
   channels, channel puts and programs it makes before that pass as steps, and sends them once the
   pass has chosen (`_client`): the tokens of that pass's first lane are the prefix the replica is
@@ -43,14 +43,6 @@ def _outputs(out: list) -> Any:
 
 def _nothing(out: Any) -> None:
     return None
-
-
-def _scalar(value: Any) -> Any:
-    while isinstance(value, list):
-        if len(value) != 1:
-            raise HostOpError(f"take_scalar read a value of {len(value)} elements; use take()")
-        value = value[0]
-    return value
 
 
 class EtaOps:
@@ -350,8 +342,9 @@ class EtaOps:
 
     # ---- run-ahead ----------------------------------------------------------------------------
 
-    def run_ahead(self, args: Any) -> dict[str, int]:
-        """Start a repeating pass: {"run": handle, "done": future id of the runs kept}. With
+    def run_ahead(self, args: Any) -> dict[str, Any]:
+        """Start a repeating pass: {"run": handle, "done": future id of the runs kept, "puts": the
+        channels its epilogue puts into (what the guest read of them past a stop is dropped)}. With
         `wake_every` n > 1, a read of a channel its epilogue puts into that would wait waits until n
         values are there (or the run is over): the reader is woken once per n tokens, not each."""
         fields, handles = self._pass_fields(args)
@@ -387,7 +380,7 @@ class EtaOps:
             self._pass_done(fid, fut, int)
 
         self._send_pass(fields, handles, done, started)
-        return {"run": handle, "done": fid}
+        return {"run": handle, "done": fid, "puts": [h for h, cid in self._chan.items() if cid in puts]}
 
     def run_ahead_ack(self, args: Any) -> None:
         """The guest read `read` tokens: the engine may run further ahead (no reply awaited)."""
@@ -466,20 +459,22 @@ class EtaOps:
             raise HostOpError(f"channel {handle} is empty (await take_scalar() waits for a value)") from None
 
     def chan_take_scalar(self, handle: Any) -> dict[str, Any]:
-        """{"value": v} when the channel's next value has arrived, else {"future": id} of it (the
-        channel is subscribed on first use). A run-ahead loop reads mostly values that are there
-        already: one host call a token instead of a call and a wait."""
+        """{"values": [...]}, every value of the channel that has arrived, when one has; else
+        {"future": id} of the values that arrive next (a run-ahead's `wake_every` of them). The
+        channel is subscribed on first use. The guest keeps what it is handed and reads on from it
+        (the SDK's `Channel.take_scalar`), so a run-ahead loop makes a host call a burst of tokens,
+        not one a token."""
         cid = self._chan.get(handle) if type(handle) is int else None
         inbox = self._channels.get(cid)
         if inbox is not None:
             try:
-                return {"value": _scalar(inbox.take())}
+                return {"values": inbox.take(every=True)}
             except LookupError:
-                return {"future": inbox.receive()}
+                return {"future": inbox.receive(every=True)}
         cid = self._engine_chan(handle)
-        inbox = self._channels[cid] = Inbox(self.run.futures, convert=_scalar)
+        inbox = self._channels[cid] = Inbox(self.run.futures)
         inbox.hold(self._held.get(cid, 1))
-        fid = inbox.receive()
+        fid = inbox.receive(every=True)
         try:
             self.run.wait(self.run.client.chan_subscribe(cid))
         except HostOpError:

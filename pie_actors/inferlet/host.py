@@ -41,6 +41,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from functools import partial
 from typing import Any, Callable
 
 from ..config import RunLimits
@@ -161,11 +162,15 @@ class FutureTable:
                 self._cond.wait(left)
 
 
+def _each(convert: Callable[[Any], Any], items: list) -> list:
+    return [convert(item) for item in items]
+
+
 class Inbox:
     """Items delivered from any thread, matched in order with the guest's receive futures.
 
     `convert` turns an item into the value a receive future gets (raising fails it); one receive
-    may bring its own. `capacity` bounds what `offer` accepts (items delivered, not yet received);
+    may bring its own. A receive or take with `every` gets the list of every item there at once. `capacity` bounds what `offer` accepts (items delivered, not yet received);
     `put` always takes the item. After `fail(message)`, waiting and later receives fail with the
     message. `hold(n)`: a waiting receive completes only once `n` items have arrived, so that its
     reader, woken once, finds the next `n - 1` there already."""
@@ -174,7 +179,7 @@ class Inbox:
                  capacity: int | None = None) -> None:
         self.futures, self.convert, self.capacity = futures, convert, capacity
         self._items: deque = deque()            # delivered, not yet received
-        self._waiting: deque[tuple[int, Callable[[Any], Any]]] = deque()   # receives with nothing to get yet
+        self._waiting: deque[tuple[int, Callable[[Any], Any], bool]] = deque()   # receives with nothing to get yet
         self._error: str | None = None
         self._lock = threading.Lock()
         self._hold = 1                          # items a waiting receive waits to have arrived
@@ -201,23 +206,33 @@ class Inbox:
             ready = self._match()
         self._settle(ready)
 
-    def receive(self, convert: Callable[[Any], Any] | None = None) -> int:
-        """A future id that completes with the next item (through `convert`, else the inbox's)."""
+    def receive(self, convert: Callable[[Any], Any] | None = None, *, every: bool = False) -> int:
+        """A future id that completes with the next item (through `convert`, else the inbox's), or
+        with `every`, with the list of every item there once it completes (each through it)."""
         fid = self.futures.new()
+        convert = convert or self.convert
         with self._lock:
-            self._waiting.append((fid, convert or self.convert))
+            self._waiting.append((fid, partial(_each, convert) if every else convert, every))
             ready = self._match()
         self._settle(ready)
         return fid
 
-    def take(self) -> Any:
-        """The next item now: LookupError when none has arrived, HostOpError when the inbox failed."""
+    def take(self, *, every: bool = False) -> Any:
+        """The next item now (with `every`: the list of every item there): LookupError when none has
+        arrived, HostOpError when the inbox failed."""
         with self._lock:
             if self._error is not None:
                 raise HostOpError(self._error)
             if not self._items:
                 raise LookupError("empty")
+            return self._take(every)
+
+    def _take(self, every: bool) -> Any:
+        if not every:
             return self._items.popleft()
+        items = list(self._items)
+        self._items.clear()
+        return items
 
     def hold(self, n: int) -> None:
         """Complete a waiting receive only once `n` items have arrived (1: at each item)."""
@@ -234,9 +249,9 @@ class Inbox:
     def _match(self) -> list[tuple[int, Callable[[Any], Any], Any, str | None]]:
         ready = []
         while self._waiting and (len(self._items) >= self._hold or self._error is not None):
-            fid, convert = self._waiting.popleft()
+            fid, convert, every = self._waiting.popleft()
             ready.append((fid, convert, None, self._error) if self._error is not None
-                         else (fid, convert, self._items.popleft(), None))
+                         else (fid, convert, self._take(every), None))
         return ready
 
     def _settle(self, ready: list[tuple[int, Callable[[Any], Any], Any, str | None]]) -> None:

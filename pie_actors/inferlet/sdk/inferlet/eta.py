@@ -18,8 +18,11 @@ so an epilogue can feed the next pass without a host round trip (`Pipeline.run_a
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
+from collections import deque
+from functools import partial
 
 from . import _host
 from .mask import Mask
@@ -263,6 +266,25 @@ def _shape_of(values) -> list[int]:
     return shape
 
 
+_ready: dict[int, deque] = {}                 # channel handle -> values the host handed over, not taken yet
+_fetching: dict[int, asyncio.Future] = {}     # channel handle -> the host future of its next values
+
+
+def _fetched(handle: int, fetch: asyncio.Future) -> None:
+    if _fetching.get(handle) is fetch:
+        del _fetching[handle]
+    if not fetch.cancelled() and fetch.exception() is None:
+        _ready.setdefault(handle, deque()).extend(fetch.result())
+
+
+def _scalar(value):
+    while isinstance(value, list):
+        if len(value) != 1:
+            raise ValueError(f"take_scalar read a value of {len(value)} elements; use take()")
+        value = value[0]
+    return value
+
+
 class Channel:
     """A typed queue in the engine's memory, of values of one `shape` and `dtype`.
 
@@ -312,14 +334,31 @@ class Channel:
         """Dequeue a value: a tensor inside a traced function, a (nested) list on the host."""
         if _tracing is not None:
             return _record("take", self._h())
+        ready = _ready.get(self._h())
+        if ready:
+            return ready.popleft()
         return _host.call("chan.take", self._h())
 
     async def take_scalar(self):
-        """The next value, as a number, once the device has put it."""
-        got = _host.call("chan.take_scalar", self._h())
-        if "value" in got:
-            return got["value"]
-        return await _host.future(got["future"])
+        """The next value, as a number, once the device has put it. The host hands over every value
+        that has arrived at once, and the next reads take theirs from those without a host call;
+        readers waiting together share one wait for the values to come, and each gets the next."""
+        handle = self._h()
+        while True:
+            ready = _ready.get(handle)
+            if ready:
+                value = _scalar(ready[0])       # a value that is not a scalar stays, for take()
+                ready.popleft()
+                return value
+            fetch = _fetching.get(handle)
+            if fetch is None:
+                got = _host.call("chan.take_scalar", handle)
+                if "values" in got:
+                    _ready[handle] = deque(got["values"])
+                    continue
+                fetch = _fetching[handle] = _host.future(got["future"])
+                fetch.add_done_callback(partial(_fetched, handle))
+            await asyncio.shield(fetch)      # a reader cancelled while waiting leaves the values to the next
 
     def _layout(self) -> list[int]:
         """The values of a host-filled channel used as a pass's lane layout (indptr)."""
@@ -606,6 +645,8 @@ class Pipeline:
         finally:
             if not done.done():
                 _host.call("eta.run_ahead_stop", [run["run"], read])
+                for handle in run["puts"]:       # what was handed over past the stop is cut off too
+                    _ready.pop(handle, None)
         return await done
 
     def close(self) -> None:
