@@ -15,7 +15,8 @@ How it works (see also wit/inferlet.wit and pie_actors/inferlet/host.py):
   result (one per epilogue output, say); wrap each with ``future``. To hand out an
   awaitable before the id is known (``fwd.epilogue(...)`` before ``pipe.submit(fwd)``),
   create a plain future with ``new_future()`` and attach it to the id later with
-  ``future(fid, fut)``.
+  ``future(fid, fut)``. ``on_complete(fid, fn)`` calls ``fn`` with the outcome instead, in the
+  loop turn that learns of it: futures ``fn`` resolves wake their tasks in that same turn.
 
 - The guest event loop (``inferlet._loop``) resolves those futures: when it has ready
   work it calls ``poll()``; when every task waits it calls ``wait(timeout)``, which blocks
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Callable
 
 from componentize_py_types import Err
 from wit_world.imports import host as _wit
@@ -41,8 +43,8 @@ NO_TIMEOUT_MS = 0xFFFFFFFF
 # True only inside a run (set by the runner entry module); False while the build snapshots imports.
 _live = False
 
-# future id -> guest asyncio future still waiting for its completion
-_pending: dict[int, asyncio.Future] = {}
+# future id -> guest asyncio future still waiting for its completion, or the function to call with it
+_pending: dict[int, asyncio.Future | Callable[[dict], None]] = {}
 
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 _loads = json.loads
@@ -88,6 +90,16 @@ def future(fid: int, fut: asyncio.Future | None = None) -> asyncio.Future:
     return fut
 
 
+def on_complete(fid: int, fn: Callable[[dict], None]) -> None:
+    """Call `fn` with the outcome of host future `fid` ({"ok": value} or {"err": message}) when the
+    host completes it. Resolving a future from another future's callback wakes its task a loop
+    turn later (a host call more); `fn` runs in the turn that learns of the completion."""
+    fid = int(fid)
+    if fid in _pending:
+        raise ValueError(f"host future {fid} is already awaited")
+    _pending[fid] = fn
+
+
 def call_async(op: str, args=None) -> asyncio.Future:
     """Run an asynchronous host operation (one that returns a future id); await the result."""
     return future(call(op, args))
@@ -100,7 +112,7 @@ def pending() -> int:
 
 def _ids() -> str:
     # drop futures the guest no longer wants (cancelled tasks) before asking the host
-    for fid in [fid for fid, fut in _pending.items() if fut.done()]:
+    for fid in [fid for fid, fut in _pending.items() if isinstance(fut, asyncio.Future) and fut.done()]:
         del _pending[fid]
     return _dumps(list(_pending))
 
@@ -111,6 +123,10 @@ def _resolve(completions: str) -> int:
     n = 0
     for key, res in _loads(completions).items():
         fut = _pending.pop(int(key), None)
+        if fut is not None and not isinstance(fut, asyncio.Future):
+            fut(res)
+            n += 1
+            continue
         if fut is None or fut.done():
             continue
         if "ok" in res:

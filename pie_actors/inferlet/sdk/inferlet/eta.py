@@ -266,15 +266,18 @@ def _shape_of(values) -> list[int]:
     return shape
 
 
-_ready: dict[int, deque] = {}                 # channel handle -> values the host handed over, not taken yet
-_fetching: dict[int, asyncio.Future] = {}     # channel handle -> the host future of its next values
+_ready: dict[int, deque] = {}                   # channel handle -> values the host handed over, not taken yet
+_waiting: dict[int, list[asyncio.Future]] = {}  # channel handle -> readers waiting for the host's next values
 
 
-def _fetched(handle: int, fetch: asyncio.Future) -> None:
-    if _fetching.get(handle) is fetch:
-        del _fetching[handle]
-    if not fetch.cancelled() and fetch.exception() is None:
-        _ready.setdefault(handle, deque()).extend(fetch.result())
+def _fetched(handle: int, outcome: dict) -> None:
+    """The host future of a channel's next values completed: keep them, wake its readers."""
+    error = None if "ok" in outcome else _host.HostError(outcome.get("err", "host future failed"))
+    if error is None:
+        _ready.setdefault(handle, deque()).extend(outcome["ok"])
+    for reader in _waiting.pop(handle):
+        if not reader.done():                  # not cancelled
+            reader.set_result(None) if error is None else reader.set_exception(error)
 
 
 def _scalar(value):
@@ -350,15 +353,17 @@ class Channel:
                 value = _scalar(ready[0])       # a value that is not a scalar stays, for take()
                 ready.popleft()
                 return value
-            fetch = _fetching.get(handle)
-            if fetch is None:
+            readers = _waiting.get(handle)
+            if readers is None:
                 got = _host.call("chan.take_scalar", handle)
                 if "values" in got:
                     _ready[handle] = deque(got["values"])
                     continue
-                fetch = _fetching[handle] = _host.future(got["future"])
-                fetch.add_done_callback(partial(_fetched, handle))
-            await asyncio.shield(fetch)      # a reader cancelled while waiting leaves the values to the next
+                readers = _waiting[handle] = []
+                _host.on_complete(got["future"], partial(_fetched, handle))
+            reader = _host.new_future()     # its own: a reader cancelled leaves the values to the next
+            readers.append(reader)
+            await reader
 
     def _layout(self) -> list[int]:
         """The values of a host-filled channel used as a pass's lane layout (indptr)."""
