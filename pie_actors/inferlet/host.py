@@ -170,10 +170,11 @@ class Inbox:
     """Items delivered from any thread, matched in order with the guest's receive futures.
 
     `convert` turns an item into the value a receive future gets (raising fails it); one receive
-    may bring its own. A receive or take with `every` gets the list of every item there at once. `capacity` bounds what `offer` accepts (items delivered, not yet received);
-    `put` always takes the item. After `fail(message)`, waiting and later receives fail with the
-    message. `hold(n)`: a waiting receive completes only once `n` items have arrived, so that its
-    reader, woken once, finds the next `n - 1` there already."""
+    may bring its own. A receive or take with `every` gets the list of every item there at once.
+    `capacity` bounds what `offer` accepts (items delivered, not yet received); `put` always takes
+    the item. After `fail(message)`, waiting and later receives fail with the message. `hold(n)`: a
+    waiting receive completes only once `n` items have arrived, so that its reader, woken once,
+    finds the next `n - 1` there already."""
 
     def __init__(self, futures: FutureTable, convert: Callable[[Any], Any] = lambda item: item,
                  capacity: int | None = None) -> None:
