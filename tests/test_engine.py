@@ -172,7 +172,8 @@ def test_a_started_engine_freezes_the_heap_a_collection_would_walk_and_close_tha
         assert gc.get_freeze_count() > 0
         assert not any(o is eng for o in gc.get_objects())
         prompt = eng.tokenizer.encode(PROMPTS[0])
-        assert eng.generate([prompt], 2, ignore_eos=True) == make_engine(default_model_dir).generate([prompt], 2, ignore_eos=True)
+        alone = make_engine(default_model_dir).generate([prompt], 2, ignore_eos=True)
+        assert eng.generate([prompt], 2, ignore_eos=True) == alone
     finally:
         eng.close()
     assert gc.get_freeze_count() == 0

@@ -15,7 +15,7 @@ How it works (see also wit/inferlet.wit and pie_actors/inferlet/host.py):
   result (one per epilogue output, say); wrap each with ``future``. To hand out an
   awaitable before the id is known (``fwd.epilogue(...)`` before ``pipe.submit(fwd)``),
   create a plain future with ``new_future()`` and attach it to the id later with
-  ``future(fid, fut)``. ``on_complete(fid, fn)`` calls ``fn`` with the outcome instead, in the
+  ``future(fid, fut)``. ``on_complete(fid, fn)`` calls ``fn(value, error)`` instead, in the
   loop turn that learns of it: futures ``fn`` resolves wake their tasks in that same turn.
 
 - The guest event loop (``inferlet._loop``) resolves those futures: when it has ready
@@ -44,7 +44,7 @@ NO_TIMEOUT_MS = 0xFFFFFFFF
 _live = False
 
 # future id -> guest asyncio future still waiting for its completion, or the function to call with it
-_pending: dict[int, asyncio.Future | Callable[[dict], None]] = {}
+_pending: dict[int, asyncio.Future | Callable[[object, HostError | None], None]] = {}
 
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 _loads = json.loads
@@ -90,10 +90,10 @@ def future(fid: int, fut: asyncio.Future | None = None) -> asyncio.Future:
     return fut
 
 
-def on_complete(fid: int, fn: Callable[[dict], None]) -> None:
-    """Call `fn` with the outcome of host future `fid` ({"ok": value} or {"err": message}) when the
-    host completes it. Resolving a future from another future's callback wakes its task a loop
-    turn later (a host call more); `fn` runs in the turn that learns of the completion."""
+def on_complete(fid: int, fn: Callable[[object, HostError | None], None]) -> None:
+    """Call `fn(value, error)` (error: a HostError, or None) when the host completes future `fid`.
+    Resolving a future from another future's callback wakes its task a loop turn later (a host call
+    more); `fn` runs in the turn that learns of the completion."""
     fid = int(fid)
     if fid in _pending:
         raise ValueError(f"host future {fid} is already awaited")
@@ -123,16 +123,16 @@ def _resolve(completions: str) -> int:
     n = 0
     for key, res in _loads(completions).items():
         fut = _pending.pop(int(key), None)
-        if fut is not None and not isinstance(fut, asyncio.Future):
-            fut(res)
-            n += 1
+        if fut is None or (isinstance(fut, asyncio.Future) and fut.done()):
             continue
-        if fut is None or fut.done():
-            continue
-        if "ok" in res:
-            fut.set_result(res["ok"])
+        value = res.get("ok")
+        error = None if "ok" in res else HostError(res.get("err", "host future failed"))
+        if not isinstance(fut, asyncio.Future):
+            fut(value, error)
+        elif error is None:
+            fut.set_result(value)
         else:
-            fut.set_exception(HostError(res.get("err", "host future failed")))
+            fut.set_exception(error)
         n += 1
     return n
 

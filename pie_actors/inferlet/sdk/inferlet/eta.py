@@ -270,11 +270,10 @@ _ready: dict[int, deque] = {}                   # channel handle -> values the h
 _waiting: dict[int, list[asyncio.Future]] = {}  # channel handle -> readers waiting for the host's next values
 
 
-def _fetched(handle: int, outcome: dict) -> None:
+def _fetched(handle: int, values: list | None, error: _host.HostError | None) -> None:
     """The host future of a channel's next values completed: keep them, wake its readers."""
-    error = None if "ok" in outcome else _host.HostError(outcome.get("err", "host future failed"))
     if error is None:
-        _ready.setdefault(handle, deque()).extend(outcome["ok"])
+        _ready.setdefault(handle, deque()).extend(values)
     for reader in _waiting.pop(handle):
         if not reader.done():                  # not cancelled
             reader.set_result(None) if error is None else reader.set_exception(error)
