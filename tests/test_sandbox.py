@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import replace
 from pathlib import Path
 
@@ -89,10 +90,10 @@ def run_ok(sandbox: Sandbox, source: str, input=None, api: FakeHost | None = Non
     return out, api
 
 
-def run_fail(sandbox: Sandbox, source: str, **kw) -> InferletError:
+def run_fail(sandbox: Sandbox, source: str, input=None, **kw) -> InferletError:
     api = FakeHost()
     with pytest.raises(InferletError) as info:
-        sandbox.run(source, {}, api, **kw)
+        sandbox.run(source, input if input is not None else {}, api, **kw)
     assert api.exited == [info.value]       # the host was told, so it can free the run's state
     return info.value
 
@@ -234,6 +235,80 @@ async def main(input):
     assert 'return {"a": 1}[x]          # the failing line' in err.guest_traceback
     assert "pie_runner" not in err.guest_traceback     # the runner's own frames are trimmed
     assert run_ok(sandbox, ROUND_TRIP, {"question": "q", "n": 0})[0]["n"] == 1
+
+
+def test_a_main_module_is_compiled_once_and_later_runs_are_handed_its_code(sandbox):
+    source = f"# {uuid.uuid4()}\n" + """
+def helper(x):
+    return {"a": 1}[x]          # the failing line
+
+async def main(input):
+    return helper(input["key"])
+"""
+    seen = []
+    for key in ("a", "a", "missing", "a"):
+        stats = {}
+        if key == "a":
+            assert run_ok(sandbox, source, {"key": key}, stats=stats)[0] == 1
+        else:         # the handed-over code still points its traceback at the source's lines
+            err = run_fail(sandbox, source, input={"key": key}, stats=stats)
+            assert 'File "main.py", line 4, in helper' in err.guest_traceback
+            assert 'return {"a": 1}[x]          # the failing line' in err.guest_traceback
+        seen.append(stats["main_cached"])
+    assert seen == [False, True, True, True]
+
+    broken = f"# {uuid.uuid4()}\nasync def main(input):\n    return (\n"
+    for _ in range(2):                      # nothing compiled, nothing kept: it fails the same
+        stats = {}
+        assert "SyntaxError" in run_fail(sandbox, broken, stats=stats).message
+        assert stats["main_cached"] is False
+
+
+def test_a_sandbox_keeps_the_code_of_the_main_modules_run_last():
+    sandbox = Sandbox(limits=LIMITS, codes_kept=2)
+    first, second, third = (f"async def main(input):\n    return {n}\n" for n in range(3))
+    cached = []
+    for source in (first, second, first, third, second, first):
+        stats = {}
+        run_ok(sandbox, source, stats=stats)
+        cached.append(stats["main_cached"])
+    # the third evicts the second (the first ran after it), which then evicts the first
+    assert cached == [False, False, True, False, False, False]
+
+
+def test_an_inferlet_cannot_hand_over_code_of_its_own(sandbox):
+    """The host keeps only the runner's compile, handed over before the inferlet's code runs: one
+    that calls the import itself, at import or in main, changes nothing a later run gets."""
+    evil = "async def main(input):\n    return 'replaced'\n"
+    source = f"# {uuid.uuid4()}\n" + """
+import base64, marshal
+from wit_world.imports import host
+
+def hand_over(text):
+    host.compiled(base64.b64encode(marshal.dumps(compile(text, "main.py", "exec"))).decode())
+
+hand_over(EVIL)
+
+async def main(input):
+    hand_over(EVIL)
+    return "mine"
+""".replace("EVIL", repr(evil))
+    for cached in (False, True, True):
+        stats = {}
+        assert run_ok(sandbox, source, stats=stats)[0] == "mine"
+        assert stats["main_cached"] is cached
+
+
+def test_a_bundles_main_module_is_compiled_once_on_the_runner(sandbox):
+    modules = bundle_modules({"main.py": f"# {uuid.uuid4()}\nfrom pkg import sub\n"
+                                         "async def main(input):\n    return sub.twice(input['n'])\n",
+                              "pkg/__init__.py": "", "pkg/sub.py": "def twice(n):\n    return 2 * n\n"})
+    seen = []
+    for n in (1, 2):
+        stats = {}
+        assert run_ok(sandbox, "", {"n": n}, bundle=modules, stats=stats)[0] == 2 * n
+        seen.append(stats["main_cached"])
+    assert seen == [False, True]
 
 
 def test_infinite_loop_times_out_then_next_run_works(sandbox):

@@ -3,9 +3,11 @@
 How the boundary works (the WIT world is wit/inferlet.wit; the guest half is
 sdk/inferlet/_host.py):
 
-* The guest has four imports. ``call(op, args)`` runs a synchronous host operation;
+* The guest has five imports. ``call(op, args)`` runs a synchronous host operation;
   ``poll(ids)`` / ``wait-any(ids, timeout)`` report which host futures are done;
-  ``send(msg)`` streams text to the client. Arguments and results are JSON text; anything
+  ``send(msg)`` streams text to the client; ``compiled(code)`` hands over the main module as the
+  runner compiled it, kept for the next run of the same module (compiling it again would cost
+  each run ~0.5 ms of CPU a kB of source). Arguments and results are JSON text; anything
   bulky stays on the host behind integer handles.
 
 * ``Sandbox`` turns those imports into calls on a ``HostApi`` object given to each run.
@@ -40,7 +42,7 @@ import sys
 import threading
 import time
 import traceback
-from collections import deque
+from collections import OrderedDict, deque
 from functools import partial
 from typing import Any, Callable
 
@@ -55,6 +57,9 @@ log = logging.getLogger(__name__)
 NO_TIMEOUT_MS = 0xFFFFFFFF
 HOST_INTERFACE = "pie:inferlet/host@0.1.0"
 EPOCH_PERIOD_S = 0.05       # epoch ticker period: deadlines are honored to about this
+MAIN_FILE = "main.py"       # the filename of a main module given as source
+CODES_KEPT = 64             # main modules whose compiled code a Sandbox keeps (least recently run go),
+CODES_KEPT_CHARS = 32 << 20 # and the most characters of source and code they may hold together
 
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
@@ -369,6 +374,10 @@ class _Run:
         self.max_text = limits.message_mb << 20     # characters one call's args or one send may hold
         self.failure: InferletError | None = None
         self.stderr_tail = ""                     # the guest's last stderr output, for trap reports
+        # The main module's compiled code is taken from the run's first host call only: the
+        # runner's, made before any of the inferlet's code runs (wit: `compiled`).
+        self.code_wanted = False
+        self.code: str | None = None
 
     def output(self, stream: str, data: bytes) -> None:
         if stream == "stderr":
@@ -428,6 +437,20 @@ def _send(run: _Run, msg: str) -> None:
     run.api.send(msg)
 
 
+def _compiled(run: _Run, code: str) -> None:
+    if run.code_wanted:
+        run.code = code
+
+
+def _main_module(source: str, bundle: Modules | None) -> tuple[str, str] | None:
+    """(filename, source) of the main module a run executes, where the host knows it (a bundle
+    component's is baked in, compiled)."""
+    if source:
+        return MAIN_FILE, source
+    entry = bundle.get("main") if bundle else None
+    return (entry[0], entry[2]) if entry else None
+
+
 def _instantiation_error(e: Exception) -> InferletError:
     text = str(e)
     if EXHAUSTED in text:      # every slot of the process's instance pool is taken
@@ -450,10 +473,12 @@ class Sandbox:
     `bundle`: a bundle folder (see build.build_bundle); None for the shared runner. `limits`
     (RunLimits: deadline, memory, tables, message size) are defaults that each run may override. Runs
     may happen concurrently on different threads. `engine`: the wasmtime Engine to compile and run
-    in (default: the process's pooled one, build.shared_engine).
+    in (default: the process's pooled one, build.shared_engine). `codes_kept`: how many main
+    modules' compiled code it keeps for their next runs (0: each run compiles its own).
     """
 
-    def __init__(self, bundle=None, *, limits: RunLimits | None = None, engine=None):
+    def __init__(self, bundle=None, *, limits: RunLimits | None = None, engine=None,
+                 codes_kept: int = CODES_KEPT):
         import wasmtime
         from wasmtime.component import Component, Linker
 
@@ -478,6 +503,11 @@ class Sandbox:
                 add_func(host, "poll", self._import(_poll), (STRING,), STRING)
                 add_func(host, "wait-any", self._import(_wait_any), (STRING, U32), STRING)
                 add_func(host, "send", self._import(_send), (STRING,), None)
+                add_func(host, "compiled", self._import(_compiled), (STRING,), None)
+        self._codes: OrderedDict[tuple[str, str], str] = OrderedDict()   # main module -> its code
+        self._codes_kept = codes_kept
+        self._codes_chars = 0
+        self._codes_lock = threading.Lock()
 
     @property
     def from_cache(self) -> bool:
@@ -508,6 +538,8 @@ class Sandbox:
             except Exception as e:
                 run.failure = InferletError("trap", f"host import {fn.__name__.lstrip('_')} "
                                                     f"failed: {type(e).__name__}: {e}")
+            finally:
+                run.code_wanted = False
             raise WasmtimeError(run.failure.message)
 
         return host_import
@@ -519,7 +551,9 @@ class Sandbox:
         """Run an inferlet: `source` is its main module (empty: a bundle's main.py), `input`
         the JSON-able value given to `main`. Returns main's result; raises InferletError.
         `bundle`: a bundle's modules (build.bundle_modules) for the plain runner to import from.
-        `stats`, when given, receives timings: instantiate_s and run_s."""
+        `stats`, when given, receives main_cached, whether the run was handed its main module
+        compiled by an earlier run (a Sandbox keeps what the runner compiled, for the next run of
+        the same module), and once the run has succeeded its timings: instantiate_s and run_s."""
         from wasmtime.component import Variant
 
         wasmtime = self._wasmtime
@@ -554,12 +588,19 @@ class Sandbox:
             if trap is not None:
                 raise trap
             func = instance.get_func(store, "run")
+            main = _main_module(source, bundle)
+            code = self._code_of(main)
+            run.code_wanted = main is not None and code is None
+            if stats is not None:
+                stats["main_cached"] = code is not None
             t1 = time.perf_counter()
             try:
-                out = func(store, source, _dumps(input), _dumps(bundle) if bundle else "")
+                out = func(store, source, code or "", _dumps(input), _dumps(bundle) if bundle else "")
             except wasmtime.WasmtimeError as e:
                 trap = self._classify_trap(run, e, timeout)
                 traceback.clear_frames(e.__traceback__)
+            if run.code is not None:
+                self._keep_code(main, run.code)
             if trap is not None:
                 raise trap
             t2 = time.perf_counter()
@@ -592,6 +633,25 @@ class Sandbox:
             # without these locals the run's host and state do not live on with it (in the suite,
             # leaving them kept two failed runs' stores alive past a full collection).
             run = error = api = None
+
+    def _code_of(self, main: tuple[str, str] | None) -> str | None:
+        """The compiled code an earlier run handed over for main module (filename, source)."""
+        if main is None:
+            return None
+        with self._codes_lock:
+            code = self._codes.get(main)
+            if code is not None:
+                self._codes.move_to_end(main)
+            return code
+
+    def _keep_code(self, main: tuple[str, str], code: str) -> None:
+        with self._codes_lock:
+            if main not in self._codes:
+                self._codes[main] = code
+                self._codes_chars += len(main[1]) + len(code)
+            while self._codes and (len(self._codes) > self._codes_kept or self._codes_chars > CODES_KEPT_CHARS):
+                (_, source), old = self._codes.popitem(last=False)
+                self._codes_chars -= len(source) + len(old)
 
     def _classify_trap(self, run: _Run, e: Exception, timeout: float) -> InferletError:
         if run.failure is not None:                 # a host import ended the run

@@ -33,6 +33,7 @@ import io
 import itertools
 import json
 import linecache
+import marshal
 import math
 import numbers
 import operator
@@ -56,6 +57,7 @@ import weakref
 
 import wit_world
 from componentize_py_types import Err
+from wit_world.imports import host as _wit
 
 import inferlet
 from inferlet import _host, _loop
@@ -106,6 +108,18 @@ if _pie_bundle.FILES:
             pass
 
 
+def _bake_main():
+    """A bundle component's main module, compiled into the snapshot (its code runs at launch)."""
+    entry = _pie_bundle.FILES.get(MAIN)
+    try:
+        return compile(entry[2], entry[0], "exec") if entry else None
+    except SyntaxError:
+        return None                 # reported by the run, which compiles it again
+
+
+_BAKED_MAIN = _bake_main()
+
+
 def _bundle_files(bundle_json: str):
     """The modules of the bundle this run belongs to: the ones baked in, or, on the plain runner,
     the ones the host hands over (a bundle whose imports the runner holds needs no component of
@@ -139,31 +153,45 @@ def _error(kind: str, exc: BaseException) -> Err:
     return Err(json.dumps({"kind": kind, "message": message, "traceback": text}))
 
 
-def _load_main(source: str, bundle_json: str) -> types.ModuleType:
-    filename = "main.py"
+def _load_main(source: str, code: str, bundle_json: str) -> types.ModuleType:
+    filename, baked = "main.py", None
     files = _bundle_files(bundle_json)
     if not source:
         entry = files.get(MAIN)
         if entry is None:
             raise RuntimeError("no inferlet source given and this run has no bundled main.py")
         filename, _, source = entry
+        if files is _pie_bundle.FILES:
+            baked = _BAKED_MAIN
     module = types.ModuleType(MAIN)
     module.__file__ = filename
     sys.modules[MAIN] = module
     _register_source(filename, source)
-    exec(compile(source, filename, "exec"), module.__dict__)
+    exec(baked if baked is not None else _main_code(filename, source, code), module.__dict__)
     return module
 
 
+def _main_code(filename: str, source: str, code: str) -> types.CodeType:
+    """The main module's code: handed over as compiled by an earlier run (the host keeps it), or
+    compiled now and handed to the host. That hand-over is the run's first host call, made before
+    any of the inferlet's code runs, so what the host keeps for this source is this runner's
+    compile of it (the host takes no later one)."""
+    if code:
+        return marshal.loads(base64.b64decode(code))
+    compiled = compile(source, filename, "exec")
+    _wit.compiled(base64.b64encode(marshal.dumps(compiled)).decode("ascii"))
+    return compiled
+
+
 class WitWorld(wit_world.WitWorld):
-    def run(self, source: str, input_json: str, bundle_json: str) -> str:
+    def run(self, source: str, code: str, input_json: str, bundle_json: str) -> str:
         _host._live = True
         _host._reset()
         random.seed()  # the snapshot holds the build's PRNG state; draw a fresh seed per run
         loop = _loop.new_loop()
         try:
             input = json.loads(input_json)
-            module = _load_main(source, bundle_json)
+            module = _load_main(source, code, bundle_json)
             main = getattr(module, "main", None)
             if main is None:
                 raise AttributeError("the inferlet defines no `main` function")
