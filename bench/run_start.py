@@ -1,0 +1,80 @@
+"""A run's start in the sandbox, its main module compiled in each run against handed over as the
+runner compiled it in an earlier run (`Sandbox`'s kept code): the CPU from `Sandbox.run` to the
+program's first host operation, for a short program, a longer one and pie serve's chat endpoint.
+
+    python bench/run_start.py [--runs 40] [--out bench/RESULTS.md]
+
+Each run is a fresh instance of the runner in a pooled slot; it ends at its first host operation
+(model, chat, ...), so what is measured is instantiation, the runner's start, the main module's
+compile or its code's unmarshalling, and the module's code up to that call. Two Sandboxes of the
+runner take turns in one process, one keeping no code (`codes_kept=0`: each run compiles, as every
+run did before runs were handed the code), one keeping it (the first run compiles, the rest are
+handed the code). No engine is involved: the host operation ends the run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+from report import add_output_options, publish
+
+from pie_actors.inferlet import HostApi, InferletError, Sandbox
+
+ROOT = Path(__file__).resolve().parent.parent
+PROGRAMS = {"examples/completion_max": ROOT / "examples" / "completion_max" / "main.py",
+            "examples/run_ahead": ROOT / "examples" / "run_ahead" / "main.py",
+            "pie serve's chat endpoint": ROOT / "pie_actors" / "serve" / "endpoints" / "chat.py"}
+
+
+class _FirstCall(HostApi):
+    """Notes the thread's CPU at the run's first host operation and ends the run there."""
+
+    def call(self, op, args):
+        self.cpu = time.thread_time()
+        raise InferletError("cancelled", "the measured start is over")
+
+
+def _start_cpu(sandbox: Sandbox, source: str) -> tuple[float, bool]:
+    api, stats = _FirstCall(), {}
+    c0 = time.thread_time()
+    try:
+        sandbox.run(source, {}, api, stats=stats)
+    except InferletError as e:
+        assert e.kind == "cancelled", e      # the program reached its first host operation
+    return api.cpu - c0, stats["main_cached"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=40, help="runs of each program on each side, alternating")
+    add_output_options(ap, "A run's start: the main module compiled once")
+    args = ap.parse_args()
+    load_before = os.getloadavg()[0]
+    sides = {"compiled each run": Sandbox(codes_kept=0), "handed over": Sandbox()}
+    rows = []
+    for name, path in PROGRAMS.items():
+        source = path.read_text(encoding="utf-8")
+        for sandbox in sides.values():          # warm: the pool's slot, and the kept code
+            _start_cpu(sandbox, source)
+        cpu: dict[str, list[float]] = {side: [] for side in sides}
+        for _ in range(args.runs):
+            for side, sandbox in sides.items():
+                spent, cached = _start_cpu(sandbox, source)
+                assert cached == (side == "handed over")
+                cpu[side].append(spent)
+        base = statistics.median(cpu["compiled each run"])
+        for side, spent in cpu.items():
+            ms = statistics.median(spent)
+            rows.append(f"| {name} | {len(source) / 1024:.1f} | {side} | {ms * 1e3:.2f} | {ms / base:.2f} |")
+    report = "\n".join(["| program | source kB | main module | CPU to the first host operation, ms (median) "
+                        "| ÷ compiled each run |", "|---|---|---|---|---|", *rows]) + "\n"
+    env = (f"runner component in pooled slots; {args.runs} runs a program a side, the sides alternating; "
+           f"1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
+    publish(env, report, args.out, args.title)
+
+
+if __name__ == "__main__":
+    main()
