@@ -25,6 +25,7 @@ from .config import EngineConfig
 from .placement import FirstPassChoice
 from .replicas import ENGINE_WAIT_S, EngineGone, Replicas, ask_named
 from .gpu.engine.wire import EngineAddress
+from .inferlet.peers import Endings
 
 NAME, NAMESPACE = "pie_controller", "pie"
 INFERLET_PREFIX = "pie_inferlet:"        # inferlet actor names: pie_inferlet:<uuid>
@@ -49,6 +50,7 @@ class Controller:
         self.engines: dict[str, Replicas] = Replicas.find()     # model -> its engines (a restart finds them)
         self.idle: list[Any] = []                               # started InferletActors
         self.processes: dict[ProcessKey, dict[str, Any]] = {}   # (owner, name) -> {actor, model, started}
+        self.endings = Endings()                                # how the ones that ended lately ended
         self.nodes: dict[Any, str] = {}                         # inferlet actor id -> its node
         self.launches = 0
         self._numbers = itertools.count(1)
@@ -164,15 +166,19 @@ class Controller:
 
         process = self.processes.pop(key, None)
         if process is not None:
+            self.endings.note(key, "was lost: its actor died")
             self.nodes.pop(process["actor"]._actor_id, None)
             ray.kill(process["actor"])
             self._refill()
 
-    def finished(self, key: ProcessKey) -> None:
-        """A process's run ended (its actor reports it): forget the name, pool the actor. (The
-        actor's own handle to itself is a weak reference, so the pool keeps the launch's handle.)"""
+    def finished(self, key: ProcessKey, how: str | None = None) -> None:
+        """A process's run ended (its actor reports it, and `how`: peers.ending): forget the name,
+        pool the actor. (The actor's own handle to itself is a weak reference, so the pool keeps the
+        launch's handle.)"""
         process = self.processes.pop(key, None)
         if process is not None:
+            if how is not None:
+                self.endings.note(key, how)
             self.release(process["actor"])
 
     def lookup(self, owner: str | None, name: str) -> Any:
@@ -180,8 +186,7 @@ class Controller:
         process, which then calls it directly): another owner's process is not found."""
         process = self.processes.get((owner, name))
         if process is None:
-            running = ", ".join(sorted(n for o, n in self.processes if o == owner)) or "none"
-            raise UnknownProcess(f"no running inferlet named {name!r} (running: {running})")
+            raise UnknownProcess(self.endings.not_running((owner, name), [n for o, n in self.processes if o == owner]))
         return process["actor"]
 
     def engine_config(self, model: str | None, process: ProcessKey) -> EngineConfig:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from .config import Config, RunLimits, load
 from .gpu.engine.wire import EngineAddress
-from .inferlet.peers import GONE, UnknownProcess
+from .inferlet.peers import GONE, Endings, UnknownProcess, ending
 from .kvstore import UnknownSaved
 from .process import Done, Failed, Process
 from .program import Program
@@ -144,6 +144,7 @@ class _Local:
             from .model_store import resolve_model
             model_tokenizer(str(resolve_model(self.model)))       # under the path runs are told (wire.Info)
         self.runs: dict[tuple[str | None, str], Any] = {}   # (owner, process name) -> its Run, while it runs
+        self.endings = Endings()                             # how the ones that ended lately ended
         self._lock = threading.Lock()
         self._numbers = itertools.count(1)
 
@@ -166,6 +167,7 @@ class _Local:
             if isinstance(event, (Done, Failed)):
                 with self._lock:
                     self.runs.pop(key, None)
+                    self.endings.note(key, ending(event))
             process.emit(event)
 
         run = Run(program, input, self.address, limits, emit, files=files, peers=_LocalPeers(self, owner, name),
@@ -180,9 +182,8 @@ class _Local:
         """The Run of `owner`'s running process `name`; UnknownProcess when there is none."""
         with self._lock:
             run = self.runs.get((owner, name))
-            running = ", ".join(sorted(n for o, n in self.runs if o == owner)) or "none"
-        if run is None:
-            raise UnknownProcess(f"no running inferlet named {name!r} (running: {running})")
+            if run is None:
+                raise UnknownProcess(self.endings.not_running((owner, name), [n for o, n in self.runs if o == owner]))
         return run
 
     def saved(self, owner: str | None) -> list[dict[str, Any]]:

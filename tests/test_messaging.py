@@ -150,6 +150,22 @@ def test_a_process_that_is_not_running_is_an_error_at_once(runtime):
     assert "'peer'" in error and ("no running inferlet" in error or "has ended" in error)
 
 
+def test_a_message_for_a_process_that_ended_says_how_it_ended(runtime):
+    """The error names the process's end, a crash with its message: a sender told only that no
+    such process runs cannot tell a typo from a peer that failed."""
+    crasher = runtime.launch("async def main(input):\n    raise ValueError('boom')\n", {}, name="crasher")
+    with pytest.raises(InferletError, match="boom"):
+        crasher.result(300)
+    finisher = runtime.launch(ONE, {}, name="finisher")
+    finisher.send("bye")
+    assert finisher.result(300) == {"got": "bye"}
+    for name, how in (("crasher", "it failed, exception: ValueError: boom"), ("finisher", "it ended with a result")):
+        _wait_gone(runtime, name)
+        with pytest.raises(InferletError) as info:
+            runtime.launch(SENDER, {"to": name, "count": 1}).result(300)
+        assert f"no running inferlet named {name!r} ({how})" in info.value.message, info.value.message
+
+
 def _wait_gone(runtime: Runtime, name: str) -> None:
     """Until a process of that name is no longer running (its end reached the runtime's books)."""
     end = time.monotonic() + 30

@@ -23,7 +23,7 @@ from ..gpu.engine.wire import EngineAddress
 from ..placement import FirstPassChoice
 from ..process import Done, Event, Failed
 from ..program import Program
-from .peers import DELIVERED, FULL, GONE, ClusterPeers
+from .peers import DELIVERED, FULL, GONE, ClusterPeers, ending
 from .run import Run, sandbox_for
 from .run_state import EngineChoice
 
@@ -69,6 +69,7 @@ class InferletActor:
         run = Run(program, input, engine_address, limits, events.put, files=files, peers=peers, owner=owner)
         with self._lock:
             self._process, self._run, self._model = process, run, model
+        event = None
         try:
             run.start()
             while True:
@@ -80,7 +81,8 @@ class InferletActor:
             with self._lock:
                 self._process = self._run = self._model = None
             if controller is not None:
-                controller.finished.remote(process)
+                ended = isinstance(event, (Done, Failed))
+                controller.finished.remote(process, ending(event) if ended else None)
 
     def _current(self, process: Any) -> Run | None:
         with self._lock:

@@ -12,11 +12,13 @@ semantics:
   `limits.send_timeout_s` (and the run's deadline), then fails. `send_within` is that wait.
 * Order is kept per sender -> receiver: `session.send_to` returns only once the message is in the
   peer's mailbox, so one sender's messages arrive in the order sent.
-* A message to a process that is not running fails at once (`UnknownProcess`).
+* A message to a process that is not running fails at once (`UnknownProcess`); when a process of
+  that name ended lately, the error says how (`Endings`).
 """
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
     from ..process import Process
     from ..program import Program
 
-__all__ = ["Peers", "ClusterPeers", "UnknownProcess", "DELIVERED", "FULL", "GONE", "send_within"]
+__all__ = ["Peers", "ClusterPeers", "UnknownProcess", "Endings", "DELIVERED", "FULL", "GONE", "send_within"]
 
 DELIVERED, FULL, GONE = "delivered", "full", "gone"     # what one delivery attempt found
 LOOKUP_WAIT_S = 30.0      # the longest a sender waits for the Controller's answer
@@ -36,6 +38,40 @@ ATTEMPT_S = 1.0           # the least one delivery attempt is given: a round tri
 
 class UnknownProcess(HostOpError):
     """No running process of the sender's owner has that name."""
+
+
+class Endings:
+    """How the processes that ended lately ended, by (owner, name), so that a message for one that
+    is gone says so and how (a crash, a deadline), not only that no such process runs. The oldest
+    are forgotten past KEPT; a runtime keeps one, under its own lock."""
+
+    KEPT = 256
+
+    def __init__(self) -> None:
+        self._how: OrderedDict[tuple[str | None, str], str] = OrderedDict()
+
+    def note(self, key: tuple[str | None, str], how: str) -> None:
+        """Process `key` ended: `how` (see `ending`)."""
+        self._how.pop(key, None)
+        self._how[key] = how
+        while len(self._how) > self.KEPT:
+            self._how.popitem(last=False)
+
+    def not_running(self, key: tuple[str | None, str], running: list[str]) -> str:
+        """The error message for process `key`, which does not run; `running`: the owner's names."""
+        how = self._how.get(key)
+        return (f"no running inferlet named {key[1]!r}{f' (it {how})' if how else ''} "
+                f"(running: {', '.join(sorted(running)) or 'none'})")
+
+
+def ending(event: Any) -> str:
+    """How a run's last event says it ended, in a few words (for `Endings.note`)."""
+    from ..process import Failed
+
+    if not isinstance(event, Failed):
+        return "ended with a result"
+    message = event.message if len(event.message) <= 200 else event.message[:200] + "..."
+    return f"failed, {event.kind}: {message}"
 
 
 class Peers(Protocol):
