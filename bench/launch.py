@@ -1,13 +1,13 @@
-"""Launch latency of an inferlet on a Ray cluster: a launch through `Runtime.connect` (a warm actor
-from the Controller's pool) vs a new actor per launch, for a trivial inferlet (so the table shows
+"""Launch latency of an inferlet on a Ray cluster: a launch through `Runtime.connect` (into free
+room of a running inferlet host actor) vs a new actor per launch, for a trivial inferlet (so the table shows
 launch cost, not model work).
 
     python bench/launch.py [--launches 8] [--out bench/RESULTS.md]
 
 Both measure client-side wall time from the launch to holding the inferlet's result: the warm
 launch is `runtime.launch(...).result()`; the new-actor launch creates an InferletActor and reads
-its run's events to the Done. The bench starts a Ray cluster of its own, so the engines and pool of
-a cluster already running here do not count. The dummy model's engine serves the one
+its run's events to the Done. The bench starts a Ray cluster of its own, so the engines and host
+actors of a cluster already running here do not count. The dummy model's engine serves the one
 `model.name()` call.
 """
 from __future__ import annotations
@@ -23,9 +23,10 @@ from report import add_output_options, publish
 from pie_actors import Done, Program, Runtime
 from pie_actors.controller import NAMESPACE, connect
 from pie_actors.inferlet.actor import inferlet_actor
+from pie_actors.launch import Launch
 
 TRIVIAL = Program.load("from inferlet import model\n\nasync def main(input):\n    return {'model': model.name()}\n")
-WARM, COLD = "warm pool (Runtime.connect launch)", "new actor per launch"
+WARM, COLD = "into free room (Runtime.connect launch)", "new actor per launch"
 
 
 def main() -> None:
@@ -36,7 +37,7 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     ray.init(address="local", num_cpus=os.cpu_count(), namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
     try:
-        with Runtime.connect(model="dummy", pool_size=2) as runtime:
+        with Runtime.connect(model="dummy") as runtime:
             # the engine the runtime asked the Controller for (one per model: the same actor)
             _, address = ray.get(connect().engine.remote(runtime.config.engine))
             cls = inferlet_actor()
@@ -46,7 +47,8 @@ def main() -> None:
 
             def cold() -> None:
                 actor = cls.remote()
-                events = [ray.get(ref) for ref in actor.run.remote(TRIVIAL, {}, address, runtime.config.limits)]
+                launch = Launch(TRIVIAL, limits=runtime.config.limits, name="cold")
+                events = [e for ref in actor.run.remote(launch, address) for e in ray.get(ref)]
                 assert isinstance(events[-1], Done), events[-1]
                 ray.kill(actor)
 
@@ -55,7 +57,7 @@ def main() -> None:
                 launch()                                        # warm-up
                 samples = []
                 for _ in range(args.launches):
-                    time.sleep(0.2)                 # let the pool take the last actor back and refill
+                    time.sleep(0.2)                 # the last run's end reaches the Controller
                     t0 = time.perf_counter()
                     launch()
                     samples.append(time.perf_counter() - t0)

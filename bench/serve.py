@@ -403,7 +403,7 @@ def main() -> None:
         started = time.perf_counter()
         # compile only the decode buckets this run can fill (each takes minutes to compile on 2 cores)
         settings = dict(dtype=args.dtype, compile=args.compile, compile_max_batch=max(levels), num_threads=args.threads)
-        cluster = {"local": False, "pool_size": max(levels) + 2} if args.cluster else {}
+        cluster = {"local": False} if args.cluster else {}
         server = Server(MODEL, port=0, engine_process=not (args.cluster or args.one_process), **cluster, **settings)
         stack.callback(server.close)
         server.start().wait_ready(SERVE_START_S)

@@ -2,9 +2,9 @@
 
 A `Config` has four parts: `engine` (EngineConfig: what an engine is built with; the engine and its
 data plane get it whole), `limits` (RunLimits: the bounds of every inferlet run, enforced on the host
-side), `serve` (ServeConfig: the HTTP front door) and the runtime's own settings (the Controller's warm
-pool). Values come from the defaults, then `$PIE_HOME/config.toml` (sections [engine], [limits] and
-[serve]), then keyword overrides given by name:
+side), `serve` (ServeConfig: the HTTP front door) and `cluster` (ClusterConfig: how the Controller
+places processes on inferlet host actors). Values come from the defaults, then `$PIE_HOME/config.toml`
+(sections [engine], [limits], [serve] and [cluster]), then keyword overrides given by name:
 
     load(dtype="float32", timeout_s=60)      # each name belongs to exactly one part
 
@@ -227,54 +227,69 @@ class ServeConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """How the Controller of a Ray cluster places processes: many to an inferlet host actor (each its
+    own sandbox instance, mailbox, limits and deadline), whose Python process and Ray worker they
+    share. The Controller's settings are those of the runtime that started it."""
+
+    inferlets_per_actor: int = _doc("processes one inferlet host actor runs at once (1: an actor process "
+                                    "each, as a crash boundary)", default=64)
+    spare_actors: int = _doc("host actors' worth of free room the Controller keeps started ahead of "
+                             "launches, so that a burst does not wait for new actor processes", default=1)
+    actors_per_node: int = _doc("the most inferlet host actors one node runs: a launch that finds them "
+                                "all full fails, naming this bound", default=64)
+
+    def __post_init__(self) -> None:
+        _check_types(self, "cluster")
+        _check_min(self, "cluster", inferlets_per_actor=1, spare_actors=0, actors_per_node=1)
+
+    @property
+    def spare_room(self) -> int:
+        """Free room, in processes, kept started ahead of launches."""
+        return self.spare_actors * self.inferlets_per_actor
+
+
+@dataclass(frozen=True)
 class Config:
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     limits: RunLimits = dataclasses.field(default_factory=RunLimits)
     serve: ServeConfig = dataclasses.field(default_factory=ServeConfig)
-    pool_size: int = _doc("warm inferlet actors the Controller keeps started", default=2)
-
-    def __post_init__(self) -> None:
-        _check_types(self, "")
-        _check_min(self, "", pool_size=0)
+    cluster: ClusterConfig = dataclasses.field(default_factory=ClusterConfig)
 
     def replace(self, **overrides: Any) -> Config:
         """This config with settings replaced by name (`dtype=...`, `timeout_s=...`); validated."""
-        parts: dict[str, dict[str, Any]] = {"": {}, **{section: {} for section in _SECTIONS}}
+        parts: dict[str, dict[str, Any]] = {section: {} for section in _SECTIONS}
         for name, value in overrides.items():
             if name not in _SECTION_OF:
                 raise ConfigError(f"unknown setting {name!r}; known: {', '.join(sorted(_SECTION_OF))}")
             parts[_SECTION_OF[name]][name] = value
-        sections = {section: dataclasses.replace(getattr(self, section), **parts[section]) for section in _SECTIONS}
-        return dataclasses.replace(self, **sections, **parts[""])
+        return dataclasses.replace(self, **{section: dataclasses.replace(getattr(self, section), **parts[section])
+                                            for section in _SECTIONS})
 
 
-_SECTIONS: dict[str, type] = {"engine": EngineConfig, "limits": RunLimits, "serve": ServeConfig}
-_SECTION_OF: dict[str, str] = {}      # setting name -> its section ("" for Config's own)
-for _section, _cls in (("", Config), *_SECTIONS.items()):
+_SECTIONS: dict[str, type] = {"engine": EngineConfig, "limits": RunLimits, "serve": ServeConfig,
+                              "cluster": ClusterConfig}
+_SECTION_OF: dict[str, str] = {}      # setting name -> its section
+for _section, _cls in _SECTIONS.items():
     for _f in fields(_cls):
-        if _f.name not in _SECTIONS:
-            assert _f.name not in _SECTION_OF, f"setting {_f.name!r} is in two sections"
-            _SECTION_OF[_f.name] = _section
+        assert _f.name not in _SECTION_OF, f"setting {_f.name!r} is in two sections"
+        _SECTION_OF[_f.name] = _section
 
 
 def _check_types(obj: Any, section: str) -> None:
-    prefix = f"{section}." if section else ""
     for f in fields(obj):
-        if f.name in _SECTIONS:
-            continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         value, kind = getattr(obj, f.name), type(default)
         if kind is float and type(value) is int:
             object.__setattr__(obj, f.name, float(value))
         elif type(value) is not kind:
-            raise ConfigError(f"{prefix}{f.name} must be a {kind.__name__}, got {value!r}")
+            raise ConfigError(f"{section}.{f.name} must be a {kind.__name__}, got {value!r}")
 
 
 def _check_min(obj: Any, section: str, **minimum: int) -> None:
-    prefix = f"{section}." if section else ""
     for name, low in minimum.items():
         if getattr(obj, name) < low:
-            raise ConfigError(f"{prefix}{name} must be at least {low}, got {getattr(obj, name)!r}")
+            raise ConfigError(f"{section}.{name} must be at least {low}, got {getattr(obj, name)!r}")
 
 
 # ---- files ---------------------------------------------------------------------------------------
@@ -294,7 +309,7 @@ def _toml_lines(obj: Any) -> list[str]:
         value = getattr(obj, f.name)
         if isinstance(value, dict):       # a table of its own: documented, left for the user to write
             lines += [f"# {f.metadata['doc']}", ""]
-        elif f.name not in _SECTIONS:     # JSON strings, numbers, booleans and lists are valid TOML
+        else:                             # JSON strings, numbers, booleans and lists are valid TOML
             lines += [f"# {f.metadata['doc']}", f"{f.name} = {json.dumps(value)}", ""]
     return lines
 
@@ -305,7 +320,7 @@ def init_config(force: bool = False) -> Path:
     if path.exists() and not force:
         raise FileExistsError(f"{path} already exists (use --force to overwrite it)")
     default = Config()
-    lines = ["# pie settings. Delete a line to use its default.", ""] + _toml_lines(default)
+    lines = ["# pie settings. Delete a line to use its default.", ""]
     for section in _SECTIONS:
         lines += [f"[{section}]", ""] + _toml_lines(getattr(default, section))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -334,8 +349,6 @@ def _read_file(path: Path) -> dict[str, Any]:
                     raise ConfigError(f"{path}: unknown setting {key}.{name}; known in [{key}]: "
                                       f"{', '.join(f.name for f in fields(_SECTIONS[key]))}")
                 flat[name] = v
-        elif _SECTION_OF.get(key) == "":
-            flat[key] = value
         else:
             where = f" (it belongs in [{_SECTION_OF[key]}])" if key in _SECTION_OF else ""
             raise ConfigError(f"{path}: unknown setting {key!r}{where}")

@@ -7,7 +7,7 @@
 
 `Runtime.connect()` gives the same interface on a Ray cluster: it joins the cluster at `address`,
 RAY_ADDRESS or the one running on this machine (or starts one for itself), asks the cluster's
-Controller for the model's engine, and launches each program in a warm InferletActor. Every front
+Controller for the model's engine, and runs each launch on an inferlet host actor with room. Every front
 door (`pie run`, the benches, the tests) starts programs here.
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ from .config import Config, RunLimits, load
 from .gpu.engine.wire import EngineAddress
 from .inferlet.peers import GONE, Endings, UnknownProcess, ending
 from .kvstore import UnknownSaved
+from .launch import Launch
 from .process import Done, Failed, Process
 from .program import Program
 from .replicas import EngineGone
@@ -82,8 +83,13 @@ class Runtime:
         limits = limits or self.config.limits
         if timeout is not None:
             limits = dataclasses.replace(limits, timeout_s=timeout)
-        return self._backend.launch(Program.load(program), {} if input is None else input, name, owner,
-                                    dict(files or {}), limits, node)
+        return self.start(Launch(Program.load(program), {} if input is None else input, dict(files or {}),
+                                 limits, owner, name, node))
+
+    def start(self, launch: Launch) -> Process:
+        """Start a launch built already (what `launch` does once it has built one; a parent's
+        `runtime.spawn` starts its child's here)."""
+        return self._backend.launch(launch)
 
     def saved(self, owner: str | None = None) -> list[dict[str, Any]]:
         """The working sets `owner`'s processes saved (`ws.save(name)`): {"name", "state" ("kept":
@@ -148,13 +154,13 @@ class _Local:
         self._lock = threading.Lock()
         self._numbers = itertools.count(1)
 
-    def launch(self, program: Program, input: Any, name: str | None, owner: str | None,
-               files: dict[str, bytes], limits: RunLimits, node: str | None = None) -> Process:
+    def launch(self, launch: Launch) -> Process:
         from .inferlet.run import Run
 
-        if node is not None:
-            raise ValueError(f"node={node!r}: Runtime.local runs everything in this process (placement "
+        if launch.node is not None:
+            raise ValueError(f"node={launch.node!r}: Runtime.local runs everything in this process (placement "
                              "on a node needs a Ray cluster: Runtime.connect, pie run without --local)")
+        owner, name = launch.owner, launch.name
         with self._lock:
             if name is not None and (owner, name) in self.runs:
                 raise ValueError(f"a process named {name!r} is already running")
@@ -162,6 +168,7 @@ class _Local:
                 name = f"inferlet-{next(self._numbers)}"
             key = (owner, name)
             self.runs[key] = None                   # taken; the Run comes next
+        launch = dataclasses.replace(launch, name=name)
 
         def emit(event: Any) -> None:
             if isinstance(event, (Done, Failed)):
@@ -170,8 +177,7 @@ class _Local:
                     self.endings.note(key, ending(event))
             process.emit(event)
 
-        run = Run(program, input, self.address, limits, emit, files=files, peers=_LocalPeers(self, owner, name),
-                  owner=owner)
+        run = Run(launch, self.address, emit, _LocalPeers(self, owner, name))
         process = Process(name, run)
         with self._lock:
             self.runs[key] = run
@@ -222,11 +228,10 @@ class _LocalPeers:
     def deliver(self, name: str, message: Any, timeout: float) -> bool:
         return self.local.find(self.owner, name).deliver(message, self.sender)
 
-    def launch(self, program: Program, input: Any, *, name: str | None, limits: RunLimits,
-               node: str | None, model: str | None) -> Process:
+    def launch(self, launch: Launch, model: str | None) -> Process:
         if model is not None and model != self.local.model:
             raise ValueError(f"model={model!r}: this runtime serves {self.local.model!r} only")
-        return self.local.launch(program, input, name, self.owner, {}, limits, node)
+        return self.local.launch(launch)
 
     def running(self) -> int:
         return self.local.running(self.owner)
@@ -275,7 +280,7 @@ class _Cluster:
 
         self.config = config
         self.started_ray = start_ray(address)
-        self.controller = controller.connect(config.pool_size)
+        self.controller = controller.connect(config.cluster)
         try:
             # a cluster started for this runtime ends with it: its engine is a one-shot's
             self.engine_actor, self.address = ray.get(
@@ -291,54 +296,52 @@ class _Cluster:
         self.thread = threading.Thread(target=self.loop.run_forever, name="pie-runtime", daemon=True)
         self.thread.start()
 
-    def launch(self, program: Program, input: Any, name: str | None, owner: str | None,
-               files: dict[str, bytes], limits: RunLimits, node: str | None = None) -> Process:
-        launched = self._launch(name, owner, node)
-        process = Process(launched["process"][1], _ActorControl(launched["actor"], launched["process"], self.loop))
-        self._run(process, launched, program, input, files, limits, node)
+    def launch(self, launch: Launch) -> Process:
+        launch, actor, engine = self._place(launch)
+        process = Process(launch.name, _ActorControl(actor, launch.key, self.loop))
+        self._run(process, launch, actor, engine)
         return process
 
-    def _launch(self, name: str | None, owner: str | None, node: str | None) -> dict[str, Any]:
+    def _place(self, launch: Launch) -> tuple[Launch, Any, Any]:
+        """The Controller's placement of `launch`: the launch under its process name, its host
+        actor and its engine (an address, or a FirstPassChoice)."""
         import ray
 
         from . import controller
 
         try:
-            return controller.ask(self.controller, "launch", self.config.engine.model, name, owner, node)
+            placed = controller.ask(self.controller, "launch", launch, self.config.engine.model)
         except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, ValueError):       # the name is taken
+            if isinstance(e.cause, ValueError):       # the name is taken, an unknown node
                 raise ValueError(str(e.cause)) from None
-            if isinstance(e.cause, EngineGone):
-                raise EngineGone(str(e.cause)) from None
+            if isinstance(e.cause, (EngineGone, controller.ClusterFull)):
+                raise type(e.cause)(str(e.cause)) from None
             raise
+        return dataclasses.replace(launch, name=placed["name"]), placed["actor"], placed["engine"]
 
-    def _run(self, process: Process, launched: dict[str, Any], program: Program, input: Any,
-             files: dict[str, bytes], limits: RunLimits, node: str | None) -> None:
-        key, actor = launched["process"], launched["actor"]
-        stream = actor.run.remote(program, input, launched["engine"], limits, files=files, process=key,
-                                  controller=self.controller)
-        lost = partial(self.controller.lost.remote, key)
+    def _run(self, process: Process, launch: Launch, actor: Any, engine: Any) -> None:
+        stream = actor.run.remote(launch, engine, self.controller)
+        lost = partial(self.controller.lost.remote, launch.key)
         again = None
-        if limits.restarts > 0:
-            again = partial(self._relaunch, process, key[0], program, input, files,
-                            dataclasses.replace(limits, restarts=limits.restarts - 1), node)
+        if launch.limits.restarts > 0:
+            limits = dataclasses.replace(launch.limits, restarts=launch.limits.restarts - 1)
+            again = partial(self._relaunch, process, dataclasses.replace(launch, limits=limits))
         asyncio.run_coroutine_threadsafe(_pump(stream, process, lost, again), self.loop)
 
-    def _relaunch(self, process: Process, owner: str | None, program: Program, input: Any,
-                  files: dict[str, bytes], limits: RunLimits, node: str | None) -> None:
+    def _relaunch(self, process: Process, launch: Launch) -> None:
         """Run a restartable process again under its name, once the Controller has let go of the
         name (the ended run's actor reports it after its last event) and its engine is back."""
         deadline = time.monotonic() + RELAUNCH_WAIT_S
         while True:
             try:
-                launched = self._launch(process.name, owner, node)
+                launch, actor, engine = self._place(launch)
                 break
             except ValueError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
-        process.relaunched(_ActorControl(launched["actor"], launched["process"], self.loop))
-        self._run(process, launched, program, input, files, limits, node)
+        process.relaunched(_ActorControl(actor, launch.key, self.loop))
+        self._run(process, launch, actor, engine)
 
     def saved(self, owner: str | None) -> list[dict[str, Any]]:
         import ray
@@ -367,9 +370,9 @@ class _Cluster:
                 "replicas": status["replicas"].get(model, [])}
 
     def running(self, owner: str | None) -> int:
-        import ray
+        from . import controller
 
-        return sum(p["owner"] == owner for p in ray.get(self.controller.status.remote())["processes"])
+        return controller.ask(self.controller, "running", owner)
 
     def close(self) -> None:
         import ray
@@ -384,29 +387,32 @@ class _Cluster:
             ray.shutdown()
 
 
-async def _pump(stream: Any, process: Process, lost: Callable[[], Any],
+async def _pump(stream: Any, process: Process, lost: Callable[[bool], Any],
                 again: Callable[[], None] | None = None) -> None:
-    """Hand the events of an actor's run to its Process as they arrive; `lost` tells the
-    Controller when the actor died under the run. `again` runs a restartable run once more (a
-    pump of its own takes over) when it fails for its engine."""
+    """Hand the events of an actor's run to its Process as they arrive (lists of what arrived
+    together); `lost` tells the Controller when the stream broke, and whether the actor died.
+    `again` runs a restartable run once more (a pump of its own takes over) when it fails for its
+    engine."""
+    import ray
+
     last = None
     try:
         async for ref in stream:
-            last = await ref
-            if isinstance(last, Failed) and last.restartable and again is not None:
-                try:
-                    await asyncio.to_thread(again)
-                    return
-                except Exception as e:
-                    last = dataclasses.replace(last, message=f"{last.message} (not restarted: {type(e).__name__}: {e})")
-            process.emit(last)
+            for last in await ref:
+                if isinstance(last, Failed) and last.restartable and again is not None:
+                    try:
+                        await asyncio.to_thread(again)
+                        return
+                    except Exception as e:
+                        last = dataclasses.replace(last, message=f"{last.message} (not restarted: {type(e).__name__}: {e})")
+                process.emit(last)
     except asyncio.CancelledError:    # the runtime closed: its reader must not wait forever
         process.emit(Failed("cancelled", "the runtime closed"))
         raise
     except Exception as e:            # the actor died, or its task failed outside the run
         last = Failed("trap", f"the inferlet's actor failed: {type(e).__name__}: {e}")
         process.emit(last)
-        lost()
+        lost(isinstance(e, ray.exceptions.RayActorError))
     if not isinstance(last, (Done, Failed)):
         process.emit(Failed("trap", f"process {process.name!r} ended without a result"))
 

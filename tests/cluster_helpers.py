@@ -87,6 +87,29 @@ async def main(input):
     pipe.close()
     return {"tokens": tokens}
 """
+# prefills its prompt, says "ready" and holds its working set until told to go on, then greedy-decodes
+HOLDER = """
+from inferlet import session
+from inferlet.eta import ForwardPass, Pipeline, StateGeometry, WorkingSet, intrinsics, reduce_argmax
+
+async def main(input):
+    tokens, ws, pipe, done = list(input["prompt"]), WorkingSet(), Pipeline(), 0
+    for i in range(input["n"]):
+        fwd = ForwardPass()
+        fwd.embed(tokens[done:])
+        fwd.state([ws], StateGeometry.folding())
+        out = fwd.epilogue(lambda: reduce_argmax(intrinsics.output(0, "logits")))
+        pipe.submit(fwd)
+        done = len(tokens)
+        tokens.append(await out)
+        if i == 0:
+            session.send("ready")
+            await session.receive()
+    pipe.close()
+    return {"tokens": tokens[len(input["prompt"]):]}
+"""
+
+
 DUMMY = dict(model="dummy", device="cpu", dtype="float32", compile="off", num_pages=256, num_threads=1)
 
 
@@ -105,6 +128,12 @@ def two_nodes() -> Iterator[tuple[Cluster, dict[str, str], object]]:
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def ready(processes) -> None:
+    """Until each of `processes` (HOLDER, WAITER) has said "ready"."""
+    for p in processes:
+        assert next(p.events(timeout=300)).text == "ready"
 
 
 def until(predicate, timeout: float = 30.0) -> None:

@@ -1,12 +1,18 @@
 """session.send_to between processes, locally and on a Ray cluster: order per sender, who sent what
 (session.receive_from), a bounded mailbox (senders wait, then fail), and at once a clear error for a
-process that is not running. The dummy model: only the control plane matters here."""
+process that is not running. On a cluster, three placements: every process in one inferlet host
+actor (a message goes straight into the mailbox), each in an actor of its own (a Ray call to the
+peer's actor), and launches alternating between two nodes. The dummy model: only the control plane
+matters here."""
 from __future__ import annotations
 
+import itertools
 import time
+from typing import Any
 
 import pytest
 
+from cluster_helpers import two_nodes
 from inferlet_helpers import on_a_cluster, pages_return, reachable
 from pie_actors import InferletError, Runtime, Send
 
@@ -80,23 +86,39 @@ async def main(input):
 """
 
 
-@pytest.fixture(scope="module")
-def local(default_model_dir):
-    with Runtime.local("dummy", **SETTINGS) as runtime:
-        yield runtime
+class _Alternating:
+    """A runtime whose launches alternate between nodes: a message between two processes launched
+    one after the other crosses nodes."""
+
+    def __init__(self, runtime: Runtime, nodes: list[str]) -> None:
+        self.runtime, self._nodes = runtime, itertools.cycle(nodes)
+
+    def launch(self, *args: Any, **kwargs: Any) -> Any:
+        return self.runtime.launch(*args, node=next(self._nodes), **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runtime, name)
 
 
-@pytest.fixture(scope="module")
-def cluster(default_model_dir):
-    with on_a_cluster(model="dummy", **SETTINGS) as runtime:
-        yield runtime
+@pytest.fixture(scope="module", params=["local", "one_actor", "actor_each", "across_nodes"])
+def placed(request, default_model_dir):
+    """One runtime a placement, in turn (one Ray cluster at a time)."""
+    if request.param == "local":
+        with Runtime.local("dummy", **SETTINGS) as runtime:
+            yield runtime
+    elif request.param == "across_nodes":
+        with two_nodes() as (_, nodes, _), Runtime.connect(model="dummy", **SETTINGS) as runtime:
+            yield _Alternating(runtime, [nodes["a"], nodes["b"]])
+    else:
+        per_actor = 1 if request.param == "actor_each" else 64
+        with on_a_cluster(model="dummy", inferlets_per_actor=per_actor, **SETTINGS) as runtime:
+            yield runtime
 
 
-@pytest.fixture(params=["local", "cluster"])
-def runtime(request):
-    runtime = request.getfixturevalue(request.param)
-    with pages_return(runtime):
-        yield runtime
+@pytest.fixture
+def runtime(placed):
+    with pages_return(placed):
+        yield placed
 
 
 def test_each_senders_messages_arrive_in_order_with_its_name(runtime):

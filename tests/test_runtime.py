@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from pie_actors import Done, Failed, InferletError, Program, Runtime, Send
-from pie_actors.controller import connect
+from pie_actors.controller import INFERLET_PREFIX, connect
 from pie_actors.inferlet.run import sandbox_for
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -242,19 +242,21 @@ def test_engine_settings_that_differ_are_refused_with_the_difference(cluster, de
     assert len(status["engines"]) == 1
 
 
-def test_the_warm_pool_hands_out_started_actors(cluster):
+def test_launches_go_into_the_free_room_of_started_host_actors(cluster):
+    """No launch waits for a new actor process while started ones have room: the host actors after a
+    few launches, one at a time and three at once, are those there before, with room kept free."""
     controller = connect()
     cluster.launch(COMPLETION, {"prompt": PROMPTS[0]}).result(60)
-    # the actor hands itself back when its run ends, just after the client got the result
-    _wait_for(lambda: not ray.get(controller.status.remote())["processes"])
-    idle = ray.get(controller.__ray_call__.remote(lambda self: [a._actor_id.hex() for a in self.idle]))
-    actor = ray.get(controller.acquire.remote())
-    assert actor._actor_id.hex() in idle
-    ray.get(controller.release.remote(actor))
+    hosts = {n for n in ray.util.list_named_actors() if n.startswith(INFERLET_PREFIX)}
+    assert hosts and ray.get(controller.status.remote())["free_room"] > 0
+    cluster.launch(COMPLETION, {"prompt": PROMPTS[1]}).result(60)
+    for p in [cluster.launch(COMPLETION, {"prompt": p}) for p in PROMPTS[:3]]:
+        p.result(60)
+    assert {n for n in ray.util.list_named_actors() if n.startswith(INFERLET_PREFIX)} == hosts
 
 
 def test_a_late_kill_does_not_reach_the_actors_next_run(cluster):
-    """A kill names its process: the pooled actor's next run is not cancelled by it."""
+    """A kill names its process: a run after it in the same actor is not cancelled by it."""
     first = cluster.launch(COMPLETION, {"prompt": PROMPTS[1]})
     first.result(60)
     _wait_for(lambda: not ray.get(connect().status.remote())["processes"])

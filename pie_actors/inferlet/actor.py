@@ -1,31 +1,37 @@
-"""InferletActor: a Ray actor that runs inferlets in its WebAssembly sandbox, one at a time.
+"""InferletActor: a Ray actor that hosts many inferlet runs at once, each in its own sandbox instance.
 
-The actor loads the runner component once when it starts; each run gets a fresh Store. Its `run`
-method is a Ray streaming generator of the run's events (pie_actors.process): Send and File while
-the inferlet runs, then Done or Failed, so a client reads it with `async for ref in
-actor.run.remote(...)`. Forward passes go straight from the actor to the engine over its socket
-(inferlet/run.py), never through Ray. torch is never imported here.
+The actor loads the runner component once when it starts; each run gets a fresh Store (a pooled
+instance slot), its own mailbox, limits, deadline and identity (its launch's (owner, name)), and a
+thread of its own, as runs do in one process without Ray (`Runtime.local`): a Python process and
+a Ray worker cost ~90 MB, a run's sandbox a few. `run` is a Ray streaming generator of the run's
+events (pie_actors.process), in lists of what arrived together (one item per token would cost a
+Ray report each under load): Send and File while the inferlet runs, then Done or Failed last. A
+client reads it with `async for ref in actor.run.remote(...)`. Forward passes go straight from
+the actor to the engine over its socket (inferlet/run.py), never through Ray. torch is never
+imported here.
 
-While a run streams, `deliver`, `deliver_file` and `cancel` are served concurrently (the actor has a
-few threads); each names the process it is meant for (its (owner, name) key), so a late call never
-reaches the actor's next run. A run started by the Controller hands the actor back when it ends.
-Other processes' `session.send_to` call `deliver` directly (peers.py: ClusterPeers).
+`deliver`, `deliver_file` and `cancel` name the process they mean (its (owner, name) key), so a
+late call never reaches another run. Other processes' `session.send_to` call `deliver` directly
+(peers.py: ClusterPeers), and a neighbour in the same actor puts the message into the mailbox with
+no Ray call. The actor is async: its runs stream on one event loop, however many there are.
 """
 from __future__ import annotations
 
-import queue
+import asyncio
 import threading
 from functools import partial
-from typing import Any, Iterator
+from typing import Any, AsyncIterator
 
-from ..config import RunLimits
 from ..gpu.engine.wire import EngineAddress
+from ..launch import Launch, ProcessKey
 from ..placement import FirstPassChoice
 from ..process import Done, Event, Failed
 from ..program import Program
 from .peers import DELIVERED, FULL, GONE, ClusterPeers, ending
 from .run import Run, sandbox_for
 from .run_state import EngineChoice
+
+Hosted = tuple[ProcessKey, "tuple[str, int] | None", "str | None"]   # what `whereabouts` says of a run
 
 
 class InferletActor:
@@ -34,79 +40,82 @@ class InferletActor:
     def __init__(self) -> None:
         sandbox_for(Program())             # the runner component, loaded before the first launch
         self._lock = threading.Lock()
-        self._process: Any = None          # the (owner, name) of the run in progress
-        self._run: Run | None = None
-        self._model: str | None = None     # its model, when its first pass chooses the engine
+        self._runs: dict[ProcessKey, tuple[Run, str | None]] = {}   # key -> its Run, and its model when
+                                                                     # its first pass chooses the engine
 
     def ready(self) -> bool:
-        """For warm pools: returns once the sandbox is loaded."""
+        """Returns once the sandbox is loaded (a new actor's first call waits for its start)."""
         return True
 
-    def whereabouts(self) -> tuple[str, Any, tuple[str, int] | None, str | None]:
-        """(its Ray node, the (owner, name) of the run in progress, the (host, port) of its engine
-        (None: no run, or its first pass has not chosen one yet) and the model of a run whose first
-        pass chooses its engine): what the Controller asks of its actors (a replica on the same
-        node; its processes after it restarts)."""
+    def whereabouts(self) -> tuple[str, list[Hosted]]:
+        """(its Ray node, and for each run in progress: its (owner, name), the (host, port) of its
+        engine (None: its first pass has not chosen one yet) and its model when the first pass
+        chooses its engine): what the Controller asks of its actors after it restarts."""
         import ray
         with self._lock:
-            engine = None if self._run is None else self._run.engine
-            return ray.get_runtime_context().get_node_id(), self._process, engine, self._model
+            runs = [(key, run.engine, model) for key, (run, model) in self._runs.items()]
+        return ray.get_runtime_context().get_node_id(), runs
 
-    def run(self, program: Program, input: Any, engine_address: EngineAddress | FirstPassChoice, limits: RunLimits, *,
-            files: dict[str, bytes] | None = None, process: Any = None,
-            controller: Any = None) -> Iterator[Event]:
-        """The events of one run of `program`, ending with its Done or Failed (the actor stays
-        usable). With a `controller`, the run is the process `process` ((owner, name)):
-        `session.send_to` reaches the owner's other processes, the Controller chooses the engine
-        at the first pass when the launch left it to that (a FirstPassChoice), and the actor hands
-        itself back to the Controller at the end."""
-        events: queue.Queue[Event] = queue.Queue()
-        peers = None if controller is None else ClusterPeers(controller, *process)
-        owner = None if process is None else process[0]
+    def find(self, key: ProcessKey) -> Run | None:
+        """The Run of process `key` if it runs here."""
+        with self._lock:
+            hosted = self._runs.get(key)
+        return None if hosted is None else hosted[0]
+
+    async def run(self, launch: Launch, engine_address: EngineAddress | FirstPassChoice,
+                  controller: Any = None) -> AsyncIterator[list[Event]]:
+        """The events of one run of `launch`, ending with its Done or Failed. With a `controller`,
+        the run is process `launch.key` of the Controller's table: `session.send_to` reaches the
+        owner's other processes, the Controller chooses the engine at the first pass when the launch
+        left it to that (a FirstPassChoice), and the actor tells the Controller when the run ends."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        key = launch.key
+        peers = None if controller is None else ClusterPeers(controller, launch.owner, launch.name, self.find)
         model = engine_address.model if isinstance(engine_address, FirstPassChoice) else None
         if model is not None:
-            engine_address = EngineChoice(engine_address.info, partial(_choose, controller, model, owner))
-        run = Run(program, input, engine_address, limits, events.put, files=files, peers=peers, owner=owner)
+            engine_address = EngineChoice(engine_address.info, partial(_choose, controller, model, launch.owner))
+        run = Run(launch, engine_address, partial(loop.call_soon_threadsafe, events.put_nowait), peers)
         with self._lock:
-            self._process, self._run, self._model = process, run, model
-        event = None
+            self._runs[key] = (run, model)
+        last: Event | None = None
         try:
             run.start()
-            while True:
-                event = events.get()
-                yield event
-                if isinstance(event, (Done, Failed)):
-                    return
+            while not isinstance(last, (Done, Failed)):
+                batch = [await events.get()]
+                while not events.empty():
+                    batch.append(events.get_nowait())
+                last = batch[-1]
+                yield batch
         finally:
             with self._lock:
-                self._process = self._run = self._model = None
+                if self._runs.get(key, (None,))[0] is run:
+                    del self._runs[key]
+            ended = isinstance(last, (Done, Failed))
+            if not ended:                 # its reader went away: the run must not go on unread
+                run.cancel("its launcher stopped reading it")
             if controller is not None:
-                ended = isinstance(event, (Done, Failed))
-                controller.finished.remote(process, ending(event) if ended else None)
+                controller.finished.remote(key, ending(last) if ended else None)
 
-    def _current(self, process: Any) -> Run | None:
-        with self._lock:
-            return self._run if process == self._process else None
-
-    def deliver(self, message: Any, process: Any = None, sender: str | None = None) -> str:
-        """A message for the running inferlet's `session.receive`, from its client or from process
+    def deliver(self, message: Any, process: ProcessKey, sender: str | None = None) -> str:
+        """A message for the `session.receive` of process `process`, from its client or from process
         `sender` of its owner: DELIVERED, FULL (its mailbox is: not taken), or GONE (no run of
         `process` is in progress here: it ended, the message is dropped)."""
-        run = self._current(process)
+        run = self.find(process)
         if run is None:
             return GONE
         return DELIVERED if run.deliver(message, sender) else FULL
 
-    def deliver_file(self, data: bytes, process: Any = None) -> bool:
-        """Data for the running inferlet's `session.receive_file` (False: no such run here)."""
-        run = self._current(process)
+    def deliver_file(self, data: bytes, process: ProcessKey) -> bool:
+        """Data for the `session.receive_file` of process `process` (False: no such run here)."""
+        run = self.find(process)
         if run is not None:
             run.deliver_file(data)
         return run is not None
 
-    def cancel(self, process: Any = None, reason: str = "cancelled by the client") -> bool:
+    def cancel(self, process: ProcessKey, reason: str = "cancelled by the client") -> bool:
         """Stop the run of `process` at its next host call; its pages return. False: none runs."""
-        run = self._current(process)
+        run = self.find(process)
         if run is not None:
             run.cancel(reason)
         return run is not None
@@ -121,7 +130,7 @@ def _choose(controller: Any, model: str, owner: str | None, prefix: list[int] | 
 
 def inferlet_actor(**options: Any):
     """The Ray actor class. num_cpus=0: an inferlet mostly waits on the engine, and whole-CPU actors
-    would cap a 2-core node at two inferlets. A few threads: `deliver` and `cancel` run while
-    `run` streams."""
+    would cap a 2-core node at two. Async: every run streams on the actor's event loop, and its
+    control calls (`deliver`, `cancel`) run between their events."""
     import ray
-    return ray.remote(num_cpus=0, max_concurrency=4, **options)(InferletActor)
+    return ray.remote(num_cpus=0, **options)(InferletActor)

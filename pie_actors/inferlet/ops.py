@@ -18,10 +18,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
-from ..config import RunLimits
 from ..gpu.engine.wire import EngineAddress
+from ..launch import Launch
 from ..process import Event, Send
-from ..program import Program
 from .chat_ops import ChatOps
 from .eta_ops import EtaOps
 from .host import HostApi, InferletError
@@ -57,20 +56,19 @@ def op_table(*glues: HostGlue) -> dict[str, HostOp]:
 
 
 class InferletHost(HostApi):
-    """Host operations of one inferlet run, connected to the engine at `engine_address` (or to the
-    replica an EngineChoice makes at the run's first pass), for a process of `owner` (the scope of
-    its saved working sets) that reaches the owner's other processes through `peers` (its messages
-    and children; None: a run with no process name). `program`: what runs (children may be modules
-    of its bundle)."""
+    """Host operations of one run of `launch`, connected to the engine at `engine_address` (or to
+    the replica an EngineChoice makes at the run's first pass). Its owner is the scope of its saved
+    working sets; it reaches the owner's other processes through `peers` (its messages and children;
+    None: a run with no process name), and its children may be modules of its program's bundle."""
 
-    def __init__(self, engine_address: EngineAddress | EngineChoice, *, limits: RunLimits, emit: Callable[[Event], None],
-                 files: dict[str, bytes] | None = None,
-                 peers: Peers | None = None, owner: str | None = None, program: Program | None = None) -> None:
+    def __init__(self, engine_address: EngineAddress | EngineChoice, launch: Launch, *,
+                 emit: Callable[[Event], None], peers: Peers | None = None) -> None:
         super().__init__()
-        self.state = RunState(engine_address, futures=self.futures, limits=limits, emit=emit, owner=owner)
+        owner = launch.owner
+        self.state = RunState(engine_address, futures=self.futures, limits=launch.limits, emit=emit, owner=owner)
         try:
-            self.session = SessionOps(self.state, files, peers)
-            self.spawn = SpawnOps(self.state, peers, program)
+            self.session = SessionOps(self.state, launch.files, peers)
+            self.spawn = SpawnOps(self.state, peers, launch.program)
             self.eta = EtaOps(self.state, owner)
             handles = HandleTable()     # one table: tools.grammar makes grammars for grammar.matcher
             self._ops = op_table(

@@ -20,14 +20,14 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from ..config import EngineConfig, RunLimits
+from ..config import EngineConfig
 from .host import HostOpError
 
 if TYPE_CHECKING:
+    from ..launch import Launch, ProcessKey
     from ..process import Process
-    from ..program import Program
 
 __all__ = ["Peers", "ClusterPeers", "UnknownProcess", "Endings", "DELIVERED", "FULL", "GONE", "send_within"]
 
@@ -84,9 +84,9 @@ class Peers(Protocol):
         Raises UnknownProcess when no such process runs; waits at most `timeout` seconds."""
         ...
 
-    def launch(self, program: Program, input: Any, *, name: str | None, limits: RunLimits,
-               node: str | None, model: str | None) -> Process:
-        """Start a process of the same owner through the launch API (`Runtime.launch`)."""
+    def launch(self, launch: Launch, model: str | None) -> Process:
+        """Start `launch`, a process of the same owner, through the launch API (`Runtime.launch`), on
+        the engine of `model` (None: the sender's)."""
         ...
 
     def running(self) -> int:
@@ -111,10 +111,13 @@ def send_within(peers: Peers, name: str, message: Any, wait_s: float) -> None:
 
 
 class ClusterPeers:
-    """`Peers` of a run in an InferletActor: the process (owner, sender) of the Controller's table."""
+    """`Peers` of a run in an inferlet host actor: the process (owner, sender) of the Controller's
+    table. `local(key)` is the Run of process `key` when it runs in the same host actor: a message
+    to it goes straight into its mailbox, with no Ray call."""
 
-    def __init__(self, controller: Any, owner: str | None, sender: str) -> None:
-        self.controller, self.owner, self.sender = controller, owner, sender
+    def __init__(self, controller: Any, owner: str | None, sender: str,
+                 local: Callable[[ProcessKey], Any] | None = None) -> None:
+        self.controller, self.owner, self.sender, self.local = controller, owner, sender, local
         self._actors: dict[str, Any] = {}        # peer name -> its actor (looked up once)
 
     def _lookup(self, name: str, timeout: float) -> Any:
@@ -130,16 +133,20 @@ class ClusterPeers:
     def deliver(self, name: str, message: Any, timeout: float) -> bool:
         import ray
 
+        key = (self.owner, name)
         end, pause = time.monotonic() + timeout, 0.002
         while True:
+            run = self.local(key) if self.local is not None else None
+            if run is not None:                  # a neighbour in this actor
+                return run.deliver(message, self.sender)
             actor = self._actors.get(name) or self._lookup(name, max(0.001, end - time.monotonic()))
             try:
-                # A blocking call: the actor runs `deliver` on one of several threads, and Ray keeps
-                # the submission order of one submitter's tasks only for synchronous single-threaded
+                # A blocking call: the actor runs `deliver` among its other calls, and Ray keeps the
+                # submission order of one submitter's tasks only for synchronous single-threaded
                 # actors, not for threaded or async ones ("Actor Task Execution Order",
                 # docs.ray.io/en/latest/ray-core/actors/task-orders.html). So the next message of
                 # this sender goes once this one is in the mailbox.
-                found = ray.get(actor.deliver.remote(message, (self.owner, name), self.sender),
+                found = ray.get(actor.deliver.remote(message, key, self.sender),
                                 timeout=max(0.001, end - time.monotonic()))
             except ray.exceptions.GetTimeoutError:
                 raise HostOpError(f"session.send_to: process {name!r} did not take the message within "
@@ -157,8 +164,7 @@ class ClusterPeers:
             time.sleep(pause)
             pause = min(2 * pause, 0.05)
 
-    def launch(self, program: Program, input: Any, *, name: str | None, limits: RunLimits,
-               node: str | None, model: str | None) -> Process:
+    def launch(self, launch: Launch, model: str | None) -> Process:
         import ray
 
         try:   # the engine settings of `model` (None: this process's model), as the cluster runs it
@@ -166,14 +172,12 @@ class ClusterPeers:
                              timeout=LOOKUP_WAIT_S)
         except ray.exceptions.RayTaskError as e:
             raise HostOpError(str(e.cause)) from None
-        return _cluster_runtime(engine).launch(program, input, name=name, owner=self.owner, node=node,
-                                               limits=limits)
+        return _cluster_runtime(engine).start(launch)
 
     def running(self) -> int:
         import ray
 
-        status = ray.get(self.controller.status.remote(), timeout=LOOKUP_WAIT_S)
-        return sum(p["owner"] == self.owner for p in status["processes"])
+        return ray.get(self.controller.running.remote(self.owner), timeout=LOOKUP_WAIT_S)
 
 
 _runtimes: dict[EngineConfig, Any] = {}      # an engine's settings -> the launch API on its cluster

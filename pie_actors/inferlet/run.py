@@ -12,8 +12,8 @@ import threading
 from collections import OrderedDict
 from typing import Any, Callable
 
-from ..config import RunLimits
 from ..gpu.engine.wire import EngineAddress
+from ..launch import Launch
 from ..process import Done, Event, Failed
 from ..program import Program
 from .build import bundle_modules, cache_dir, fits_runner
@@ -59,18 +59,15 @@ def _unpack(files: dict[str, str], key: str):
 
 
 class Run:
-    """One run of `program` on `input` against the engine at `engine_address` (or the replica an
-    EngineChoice makes at its first pass); everything it
-    streams, and how it ends, goes to `emit`. `owner`: whose process it is (the scope of the working
-    sets it saves and opens). `deliver`, `deliver_file` and `cancel` may be called
-    from any thread at any time: what arrives before the run's host exists waits for it."""
+    """One run of `launch` against the engine at `engine_address` (or the replica an EngineChoice
+    makes at its first pass); everything it streams, and how it ends, goes to `emit`. `peers`: how
+    it reaches its owner's other processes (None: a run with no process name). `deliver`,
+    `deliver_file` and `cancel` may be called from any thread at any time: what arrives before the
+    run's host exists waits for it."""
 
-    def __init__(self, program: Program, input: Any, engine_address: EngineAddress | EngineChoice, limits: RunLimits,
-                 emit: Callable[[Event], None], *, files: dict[str, bytes] | None = None,
-                 peers: Peers | None = None, owner: str | None = None) -> None:
-        self.program, self.input, self.engine_address = program, input, engine_address
-        self.limits, self.emit, self.files, self.peers = limits, emit, files, peers
-        self.owner = owner
+    def __init__(self, launch: Launch, engine_address: EngineAddress | EngineChoice,
+                 emit: Callable[[Event], None], peers: Peers | None = None) -> None:
+        self.launch, self.engine_address, self.emit, self.peers = launch, engine_address, emit, peers
         self._lock = threading.Lock()
         self._host: InferletHost | None = None
         # what arrives before the host exists: ("message", (message, sender)) or ("file", data)
@@ -106,10 +103,10 @@ class Run:
             self.emit(Done(output, self._tokens))
 
     def _run(self) -> Any:
-        sandbox = sandbox_for(self.program)
+        launch = self.launch
+        sandbox = sandbox_for(launch.program)
         try:
-            host = InferletHost(self.engine_address, limits=self.limits, emit=self.emit, files=self.files,
-                                peers=self.peers, owner=self.owner, program=self.program)
+            host = InferletHost(self.engine_address, launch, emit=self.emit, peers=self.peers)
         except (OSError, HostOpError, TimeoutError) as e:
             raise InferletError("trap", f"cannot reach the engine at {self.engine_address}: "
                                         f"{type(e).__name__}: {e}") from None
@@ -121,9 +118,9 @@ class Run:
             if self._cancelled is not None:
                 host.cancel(self._cancelled)
         try:
-            bundle = self.program.bundle
+            bundle = launch.program.bundle
             modules = bundle_modules(bundle) if bundle is not None and sandbox.is_runner else None
-            return sandbox.run(self.program.source, self.input, host, limits=self.limits, bundle=modules)
+            return sandbox.run(launch.program.source, launch.input, host, limits=launch.limits, bundle=modules)
         finally:
             self._restartable = host.state.restartable and host.state.lost_engine
             self._tokens = host.state.tokens
@@ -137,7 +134,7 @@ class Run:
             if self._host is not None:
                 return self._host.deliver(message, sender)
             early = sum(kind == "message" and payload[1] is not None for kind, payload in self._early)
-            if sender is not None and early >= self.limits.mailbox_size:
+            if sender is not None and early >= self.launch.limits.mailbox_size:
                 return False
             self._early.append(("message", (message, sender)))
             return True

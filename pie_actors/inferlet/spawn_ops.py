@@ -15,6 +15,7 @@ import concurrent.futures
 import dataclasses
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..launch import Launch
 from ..program import Program
 from .host import HostOpError, InferletError
 from .peers import Peers
@@ -70,8 +71,9 @@ class SpawnOps:
             raise HostOpError(f"runtime.spawn: this owner runs {running} inferlets, its bound "
                               "(limits.inferlets; pie serve: [serve.quotas]): wait for one to end")
         try:
-            process = peers.launch(self._program(args["program"]), args.get("input") or {}, name=args.get("name"),
-                                   limits=limits, node=args.get("node"), model=args.get("model"))
+            launch = Launch(self._program(args["program"]), args.get("input") or {}, limits=limits,
+                            owner=self.run.owner, name=args.get("name"), node=args.get("node"))
+            process = peers.launch(launch, model=args.get("model"))
         except (ValueError, KeyError) as e:      # a name in use, an unknown node or model
             raise HostOpError(f"runtime.spawn: {e}") from None
         result = asyncio.run_coroutine_threadsafe(process.aresult(), self.run.loop)

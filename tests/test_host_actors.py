@@ -1,0 +1,104 @@
+"""Many inferlets to an inferlet host actor, on a two-node Ray cluster (ray.cluster_utils.Cluster):
+the Controller packs processes into host actors up to `inferlets_per_actor` (and one actor each at
+1), every result equals the same program's on Runtime.local, and a killed host actor fails exactly
+the processes it hosted (test_cluster_full.py: a cluster with no room left). The dummy model: the
+control plane is what is tested (test_inferlet_actor.py runs the real model, many runs to an actor)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import ray
+
+from pie_actors import InferletError, Runtime
+from pie_actors.config import ConfigError, load
+from pie_actors.controller import INFERLET_PREFIX, NAME
+from tests.cluster_helpers import DUMMY, HOLDER, ready, two_nodes, until
+
+PROCESSES = 64
+def _input(i: int) -> dict:
+    return {"prompt": [1 + i, 2, 3 + i % 7, 4], "n": 6}
+
+
+@pytest.fixture(scope="module")
+def wants() -> list[dict]:
+    """Each process's result on Runtime.local (no Ray)."""
+    with Runtime.local(**DUMMY) as local:
+        processes = [local.launch(HOLDER, _input(i)) for i in range(PROCESSES)]
+        for p in processes:
+            p.send("go")
+        return [p.result(120) for p in processes]
+
+
+@pytest.fixture(scope="module", params=[16, 1], ids=["16_per_actor", "1_per_actor"])
+def cluster(request):
+    with two_nodes() as (_, nodes, _), Runtime.connect(inferlets_per_actor=request.param, **DUMMY) as runtime:
+        yield runtime, nodes, request.param
+
+
+def _hosts() -> dict[str, list[tuple]]:
+    """Every live inferlet host actor (Ray's named actors) -> the processes it runs."""
+    hosts = {}
+    for name in ray.util.list_named_actors():
+        if name.startswith(INFERLET_PREFIX):
+            try:
+                hosts[name] = [tuple(key) for key, _, _ in ray.get(ray.get_actor(name).whereabouts.remote(),
+                                                                     timeout=60)[1]]
+            except ray.exceptions.RayActorError:
+                continue
+    return hosts
+
+
+def _referenced(runtime: Runtime) -> int:
+    return runtime.stats()["kv"]["referenced"]
+
+
+def test_processes_pack_into_host_actors_and_match_a_local_run(cluster, wants):
+    runtime, _, per_actor = cluster
+    processes = [runtime.launch(HOLDER, _input(i)) for i in range(PROCESSES)]
+    ready(processes)                                          # all 64 live at once
+    hosts = _hosts()
+    used = [keys for keys in hosts.values() if keys]
+    assert sorted(k[1] for keys in used for k in keys) == sorted(p.name for p in processes)
+    assert len(used) <= math.ceil(PROCESSES / per_actor)
+    assert all(len(keys) <= per_actor for keys in used)
+    spare = runtime.config.cluster.spare_actors
+    assert len(hosts) <= math.ceil(PROCESSES / per_actor) + spare
+    for p in processes:
+        p.send("go")
+    assert [p.result(300) for p in processes] == wants
+    until(lambda: _referenced(runtime) == 0)
+
+
+def test_a_killed_host_actor_fails_exactly_its_processes(cluster, wants):
+    runtime, _, per_actor = cluster
+    processes = [runtime.launch(HOLDER, _input(i)) for i in range(2 * per_actor + 1)]
+    ready(processes)
+    victim, hosted = max(_hosts().items(), key=lambda item: len(item[1]))
+    doomed = {k[1] for k in hosted}
+    assert len(doomed) == per_actor                            # packed: the fullest actor is full
+    ray.kill(ray.get_actor(victim))
+    for p in processes:
+        if p.name in doomed:
+            with pytest.raises(InferletError, match="actor") as failed:
+                p.result(60)
+            assert failed.value.kind == "trap"
+    survivors = [(i, p) for i, p in enumerate(processes) if p.name not in doomed]
+    for _, p in survivors:
+        p.send("go")
+    assert [p.result(300) for _, p in survivors] == [wants[i] for i, _ in survivors]
+    until(lambda: _referenced(runtime) == 0)                   # the dead actor's connections' pages too
+    status = ray.get(ray.get_actor(NAME).status.remote())
+    assert not doomed & {p["name"] for p in status["processes"]}
+    again = runtime.launch(HOLDER, _input(0))                  # the cluster serves on
+    ready([again])
+    again.send("go")
+    assert again.result(300) == wants[0]
+
+
+@pytest.mark.parametrize("setting", [dict(inferlets_per_actor=0), dict(inferlets_per_actor=-3),
+                                     dict(spare_actors=-1), dict(actors_per_node=0)])
+def test_cluster_settings_are_validated(setting):
+    name = next(iter(setting))
+    with pytest.raises(ConfigError, match=f"cluster.{name} must be at least"):
+        load(**setting)
