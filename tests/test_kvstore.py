@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from pie_actors.kvstore import InvalidSlot, KVStore, KVStoreError, OutOfPages, UnknownSequence
+from pie_actors.kvstore import Evicted, InvalidSlot, KVStore, KVStoreError, OutOfPages, UnknownSequence
 
 PS = 16
 
@@ -502,3 +502,45 @@ def test_cut_shortens_frozen_rows_and_copies_a_shared_tail_page():
     store.free(b)
     store.check()
     assert store.stats()["referenced"] == 0
+
+
+def test_evicted_sequences_keep_their_id_and_come_back_as_they_were():
+    store = KVStore(num_pages=6, page_size=PS)
+    seq = filled(store, toks(40))                       # 3 pages, 2 of them full and indexed
+    keys = store.mark(seq).keys
+    released = store.evict(seq)
+    assert len(released) == 3 and store.stats() == {"total": 6, "free": 4, "referenced": 0, "cached": 2}
+    with pytest.raises(Evicted, match=f"sequence {seq} is out of the page pool"):
+        store.append(seq, toks(1))
+    store.check()
+
+    pages = store.reload(seq)                           # new pages: the caller writes their rows
+    assert len(pages) == 3 and store.kv_pages(seq) == pages
+    assert (store.length(seq), store.folded(seq), store.mark(seq).keys) == (40, 40, keys)
+    assert store.cached_prefix(toks(40)) == 32          # its full pages are indexed again
+    store.check()
+
+    store.evict(seq)
+    assert store.reset(seq) == toks(40)                 # back empty: its history to prefill
+    assert (store.length(seq), store.kv_pages(seq)) == (0, [])
+    store.free(seq)
+    evicted = filled(store, toks(20))
+    store.evict(evicted)
+    store.free(evicted)                                 # an evicted sequence is forgotten
+    with pytest.raises(UnknownSequence):
+        store.reload(evicted)
+    store.check()
+
+
+def test_replayable_only_when_a_prefill_of_the_history_recomputes_everything():
+    store = KVStore(num_pages=8, page_size=PS)
+    assert store.replayable(filled(store, toks(20)))
+    assert not store.replayable(filled(store, toks(20), fold=False))     # rows not frozen
+    reserved = filled(store, toks(20))
+    store.reserve(reserved, 64)
+    assert not store.replayable(reserved)                                # pages past its rows
+    explicit = store.create()
+    store.reserve(explicit, 16)
+    store.slots_for(explicit, [0, 1], [5, 6], canonical=False)
+    store.commit(explicit, 2)
+    assert not store.replayable(explicit)                                # explicit geometry

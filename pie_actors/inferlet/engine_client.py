@@ -164,6 +164,11 @@ class EngineClient:
         wait for this connection's next pass."""
         self._send_only("idle")
 
+    def park(self) -> None:
+        """The program waits for a message with no pass in flight: its working sets may leave the
+        KV pool first when it runs short; its next request on one brings them back."""
+        self._send_only("park")
+
     def repeat_ack(self, pass_id: int, read: int) -> None:
         """The outputs of `read` runs of repeating pass `pass_id` were read: it may run further ahead."""
         self._send_only("repeat_ack", **{"pass": pass_id, "read": read})

@@ -28,6 +28,10 @@ class UnknownSequence(KVStoreError):
     """The sequence id was never created or has been freed."""
 
 
+class Evicted(UnknownSequence):
+    """The sequence's pages left the pool (`KVStore.evict`) and it has not come back yet."""
+
+
 class UnknownSaved(KVStoreError):
     """No saved working set of that name for that owner."""
 

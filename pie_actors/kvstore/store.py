@@ -5,6 +5,12 @@ lives at global slot ``pages[i // page_size] * page_size + i % page_size``. Slot
 are frozen and never written again, which is what makes sharing them safe: full frozen pages are
 shared by fork and, for canonical sequences (position == slot, causal mask), across requests
 through the prefix index. A page that anyone may still write always has exactly one reference.
+
+A sequence can give its pages back to the pool and keep the rest (`evict`): its tokens, frozen
+extent and chain keys stay, under its id, until it comes back with as many pages, whose KV the
+caller writes (`reload`: rows kept in host memory), or empty, to be prefilled again (`reset`).
+Saved working sets and the working sets of parked programs leave the pool this way when it runs
+short (gpu/engine/saved.py).
 """
 
 import itertools
@@ -13,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from .pool import InvalidSlot, KVStoreError, OutOfPages, PagePool, QuotaExceeded, UnknownSequence
+from .pool import Evicted, InvalidSlot, KVStoreError, OutOfPages, PagePool, QuotaExceeded, UnknownSequence
 from .prefix import ROOT, chain_key
 
 
@@ -57,9 +63,10 @@ class KVStore:
         self.prefix_cache = prefix_cache     # off: appends never attach indexed pages (for comparisons)
         self._pool = PagePool(num_pages)
         self._seqs: dict[int, _Seq] = {}
+        self._evicted: dict[int, tuple[_Seq, int]] = {}   # evicted sequence -> (it, pages it held)
         self._ids = itertools.count()
         # Called with the number of pages an allocation lacks, before it fails: the engine evicts
-        # saved working sets to make room (gpu/engine/saved.py).
+        # saved working sets and those of parked programs to make room (gpu/engine/saved.py).
         self.reclaim: Callable[[int], None] | None = None
         self._bounds: dict[int, int] = {}  # partition root -> pages its counted sequences may hold
 
@@ -72,7 +79,10 @@ class KVStore:
         return seq
 
     def free(self, seq: int) -> None:
-        """Release all its pages; indexed ones become cached, the rest free."""
+        """Release all its pages; indexed ones become cached, the rest free. An evicted sequence
+        holds none: it is forgotten."""
+        if self._evicted.pop(seq, None) is not None:
+            return
         s = self._get(seq)
         del self._seqs[seq]
         # Tail first, so LRU eviction takes a chain's deepest pages before its root: once the
@@ -259,15 +269,54 @@ class KVStore:
         self.truncate(seq, length)
         return copies
 
-    def restore(self, tokens: list[int], root: int = ROOT) -> int:
-        """A new canonical sequence holding `tokens`, all frozen, in partition ``root``, whose KV the
-        caller writes into its pages (`kv_pages`) before any pass reads them: a saved working set
-        back from host memory (left out of its partition's bound, as `fork(counted=False)`)."""
-        pages = self._allocate(self._pages_for(len(tokens)))
-        seq = next(self._ids)
-        self._seqs[seq] = _Seq(pages=pages, tokens=list(tokens), folded=len(tokens), root=root, counted=False)
-        self.commit(seq, None)
-        return seq
+    # -- eviction -------------------------------------------------------------------------------
+
+    def evict(self, seq: int) -> list[int]:
+        """Give ``seq``'s pages back to the pool (indexed ones become cached, the rest free) and
+        keep the rest of it aside: until `reload` or `reset` brings it back, every other method
+        raises Evicted for it (`free` forgets it). Returns the pages it held, whose rows the
+        caller has copied if it wanted them."""
+        s = self._get(seq)
+        del self._seqs[seq]
+        self._evicted[seq] = (s, len(s.pages))
+        pages, s.pages = s.pages, []
+        for page in reversed(pages):
+            self._pool.decref(page)
+        return pages
+
+    def reload(self, seq: int) -> list[int]:
+        """An evicted sequence back as it was, in as many new pages as it held: returns them, for
+        the caller to write its rows into before any pass reads them. Its full frozen pages are
+        indexed again. All or nothing on OutOfPages (it stays evicted)."""
+        s, n = self._evicted_seq(seq)
+        if s.counted:
+            self._check_bound(seq, s.root, n)
+        s.pages = self._allocate(n)
+        del self._evicted[seq]
+        self._seqs[seq] = s
+        for page, key in zip(s.pages, s.keys):
+            self._pool.register(page, key)
+        return s.pages
+
+    def reset(self, seq: int) -> list[int]:
+        """An evicted sequence back, empty, in its partition: returns its history, whose prefill
+        recomputes it (it was `replayable` when evicted)."""
+        s, _ = self._evicted_seq(seq)
+        del self._evicted[seq]
+        self._seqs[seq] = _Seq(root=s.root, counted=s.counted)
+        return s.tokens[: s.folded]
+
+    def replayable(self, seq: int) -> bool:
+        """Whether a prefill of its history recomputes all of it: canonical, every written slot
+        frozen, and no page reserved past them."""
+        s = self._get(seq)
+        return s.canonical and s.folded == s.length and len(s.pages) == self._pages_for(s.length)
+
+    def _evicted_seq(self, seq: int) -> tuple[_Seq, int]:
+        try:
+            return self._evicted[seq]
+        except KeyError:
+            raise UnknownSequence(f"sequence {seq} is not evicted") from None
 
     def mark(self, seq: int) -> "Mark":
         """The sequence's extent now, for `rollback` if the pass being planned fails."""
@@ -376,6 +425,8 @@ class KVStore:
     def check(self) -> None:
         """Raise AssertionError describing the first accounting inconsistency found."""
         self._pool.check(Counter(page for s in self._seqs.values() for page in s.pages))
+        if self._evicted.keys() & self._seqs.keys():
+            raise AssertionError(f"sequences both live and evicted: {sorted(self._evicted.keys() & self._seqs.keys())}")
         ps = self.page_size
         for seq, s in self._seqs.items():
             if not 0 <= s.folded <= s.length <= len(s.pages) * ps:
@@ -399,6 +450,9 @@ class KVStore:
         try:
             return self._seqs[seq]
         except KeyError:
+            if seq in self._evicted:
+                raise Evicted(f"sequence {seq} is out of the page pool (evicted): it must come back "
+                              "before it is used") from None
             raise UnknownSequence(f"unknown sequence {seq} (never created or already freed)") from None
 
     def _allocate(self, n: int) -> list[int]:

@@ -12,6 +12,11 @@ prefix-cache partition, keyed by the secret.
 A connection owns the sequences it creates or forks. When it closes, however the inferlet ended
 (returned, raised, trapped, was killed), the server frees every sequence it still owns: that is
 what returns all of an inferlet's KV pages. Bad input fails its request only, never the connection.
+
+A connection whose program waits for a message with no pass in flight parks (`park`): its working
+sets are the first to leave the KV pool when it runs short (saved.py). They come back at its next
+request that uses one: a pass is queued behind their prefill, and any other such request is
+answered once they are all back.
 """
 from __future__ import annotations
 
@@ -90,6 +95,7 @@ def _optional(check: Callable[..., Any], value: Any, *what: str) -> Any:
 # op -> (required fields, optional fields)
 _FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "info": ((), ()), "create": ((), ()), "stats": ((), ()), "usage": ((), ()), "idle": ((), ()),
+    "park": ((), ()),
     "fork": (("seq",), ()),
     "free": (("seq",), ()), "seq_state": (("seq",), ()), "reserve": (("seq", "end"), ()),
     "save": (("seq", "name", "owner"), ()), "open": (("name", "owner"), ()), "saved": (("owner",), ()),
@@ -100,6 +106,7 @@ _FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "chan_take": (("chan",), ()), "chan_subscribe": (("chan",), ()), "chan_free": (("chan",), ()),
     "repeat_ack": (("pass", "read"), ()), "repeat_stop": (("pass",), ("keep",)),
 }
+_USES_SETS = frozenset({"pass", "fork", "seq_state", "reserve", "save"})   # a parked connection's come back first
 _LANE_FIELDS = {"seq", "tokens", "positions", "slots", "kv_len", "mask", "fold", "readout", "tokens_from"}
 _KNOWN_ERRORS = (BadRequest, EpilogueError, PassError, KVStoreError, ChannelError, EtaError)
 
@@ -148,6 +155,7 @@ class EngineServer:
         # dict() of a Counter copies in C under the GIL: safe while the engine thread increments it
         programs = self.engine.programs
         return {"batch_sizes": dict(self.engine.batch_sizes), "kv": kv, "saved": self.engine.saved_stats(),
+                "parked": self.engine.parked_stats(),
                 "decode_batch_sizes": dict(self.engine.decode_batch_sizes),
                 "tokens_computed": self.engine.tokens_computed,
                 "row_epilogues": dict(self.engine.row_epilogues),
@@ -254,6 +262,7 @@ class _Connection:
         self.programs: list[Program] = []             # registered eta programs, by id
         self._made: dict[tuple[int, tuple[int, ...]], tuple[Epilogue, RowEpilogue | None]] = {}
         self.repeats: dict[int, PassRequest] = {}     # pass request id -> its repeating pass
+        self.parked = False                           # its sets may be out of the pool (`park`)
 
     def send(self, message: dict[str, Any]) -> None:
         if not self.writer.is_closing():
@@ -269,6 +278,9 @@ class _Connection:
         if type(id) is not int:
             self.send(wire.error(None, "BadRequest", "a request is a map with an integer 'id' and an 'op'"))
             return
+        self._answer(id, msg)
+
+    def _answer(self, id: int, msg: dict[str, Any]) -> None:
         try:
             result = self._dispatch(msg)
         except Exception as e:
@@ -289,7 +301,28 @@ class _Connection:
         if extra or missing:
             raise BadRequest(f"{op}: fields {list(required)} (optional {list(optional)}) expected; "
                              f"missing {missing}, unknown {sorted(extra)}")
+        if self.parked and op in _USES_SETS:
+            prefill = self._unpark()
+            if prefill is not None and op != "pass":    # a pass is queued behind the prefill
+                prefill.add_done_callback(partial(self._after_prefill, msg))
+                return _PENDING
         return getattr(self, "_op_" + op)(msg)
+
+    def _after_prefill(self, msg: dict[str, Any], prefill: Future) -> None:
+        # Runs on the engine thread: hand over to the loop.
+        try:
+            self.loop.call_soon_threadsafe(self._answer_after, msg, prefill)
+        except RuntimeError:
+            pass   # the server closed meanwhile
+
+    def _answer_after(self, msg: dict[str, Any], prefill: Future) -> None:
+        """Answer a request that waited for the parked sets to come back (not retrying a failed
+        prefill: the next request does)."""
+        e = prefill.exception()
+        if e is not None:
+            self.send(wire.error(msg["id"], type(e).__name__, str(e)))
+        else:
+            self._answer(msg["id"], msg)
 
     def _owner(self, value: Any) -> str | None:
         # the saved sets of another owner do not exist for this connection, whatever it asks
@@ -316,6 +349,26 @@ class _Connection:
 
     def _op_idle(self, msg: dict[str, Any]) -> None:
         self.engine.idle(self.id)
+
+    def _op_park(self, msg: dict[str, Any]) -> None:
+        self.engine.park(list(self.owned))
+        self.parked = True
+
+    def _unpark(self) -> Future | None:
+        """Bring the parked sets back (Engine.unpark): the future of their prefill, if any."""
+        prefill = self.engine.unpark(list(self.owned), self.id)
+        self.parked = False
+        if prefill is not None:
+            prefill.add_done_callback(self._prefill_done)
+        return prefill
+
+    def _prefill_done(self, future: Future) -> None:
+        # A set whose prefill failed is parked again (saved.py): the next request on one tries again.
+        if future.exception() is not None:
+            try:
+                self.loop.call_soon_threadsafe(setattr, self, "parked", True)
+            except RuntimeError:
+                pass   # the server closed meanwhile
 
     def _room_for_a_sequence(self) -> None:
         limit = self.engine.config.max_sequences

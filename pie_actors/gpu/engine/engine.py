@@ -5,6 +5,8 @@ runs it on the workers (worker.py: this process's rank, plus the other tensor-pa
 broadcast), commits the written KV and runs each pass's epilogue on its rows of logits. A bad pass
 fails alone: the scheduler rejects it while planning, and a failing epilogue rolls its pass back.
 `start` runs steps on a background thread; `generate` is greedy decoding for benchmarks and tests.
+Saved working sets and those of parked programs leave the KV pool when it runs short, to host memory
+or as their tokens, and come back before they are used (saved.py).
 """
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -28,7 +31,7 @@ from ..kernels import compiled_decode
 from ..model.loader import load_checkpoint
 from ..model.tp import Comm, join_group
 from .channels import ChannelStore
-from .saved import SavedSets
+from .saved import ParkedSets, SavedSets, Spill
 from .scheduler import Epilogue, Lane, PassRequest, Planned, Scheduler
 from .worker import BatchPlan, Worker, kv_bytes_per_page, start_remote_ranks
 
@@ -57,6 +60,10 @@ def _compiles(config: EngineConfig, device: torch.device, long_lived: bool, key:
     pays = device.type == "cuda" or torch.backends.cpu.get_cpu_capability().lower() in ("avx2", "avx512")
     cached = compiled_decode.is_cached(key, config.compile_max_batch)
     return pays and config.tp == 1 and (long_lived or cached)
+
+
+def _nothing(logits: torch.Tensor) -> None:
+    return None
 
 
 class InjectedFault(RuntimeError):
@@ -89,8 +96,8 @@ class Engine:
                                    tensor_parallel=bool(remote), wait_for_programs=config.wait_for_programs)
         self._lock = threading.Condition()
         self._device = threading.Lock()              # held while the workers run a batch
-        self.saved = SavedSets(kv, worker, config.spill_memory_mb << 20, lambda: self.scheduler.copies,
-                               self._device)
+        spill = Spill(kv, worker, config.spill_memory_mb << 20, lambda: self.scheduler.copies, self._device)
+        self.saved, self.parked = SavedSets(spill), ParkedSets(spill)
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -151,6 +158,8 @@ class Engine:
     def free(self, seq: int) -> None:
         with self._lock:
             self.kv.free(seq)
+            if self.parked:
+                self.parked.forget(seq)
 
     def limit_pages(self, partition: int, pages: int) -> None:
         """Bound the KV pages the working sets of `partition` hold together (0: no bound)."""
@@ -207,6 +216,39 @@ class Engine:
     def saved_stats(self) -> dict[str, int]:
         with self._lock:
             return self.saved.stats()
+
+    # ---- parked working sets (saved.py) ------------------------------------------------------
+    def park(self, seqs: Iterable[int]) -> None:
+        """The program holding `seqs` waits for a message with no pass in flight: when the pool
+        runs short, these sets leave it first (to host memory, or as their tokens) until `unpark`."""
+        with self._lock:
+            self.parked.park(seqs)
+
+    def unpark(self, seqs: Iterable[int], owner: int | None) -> Future | None:
+        """Bring back the parked sets among `seqs` before the next pass of their program `owner`:
+        spilled ones are written back now (OutOfPages: those not back stay parked); ones kept as
+        tokens are prefilled with their history, ahead of any pass submitted after this call.
+        Returns the future of that prefill, None when there is none."""
+        with self._lock:
+            prefills = self.parked.unpark(seqs)
+            if not prefills:
+                return None
+            request = PassRequest([Lane(seq, tokens) for seq, tokens in prefills], epilogue=_nothing, owner=owner)
+            # A pass fails under the lock, rolled back (the scheduler's `fail`), so this evicts the
+            # sets again before any later pass on them is planned.
+            request.future.add_done_callback(partial(self._prefill_done, prefills))
+            self.submit(request)
+            return request.future
+
+    def _prefill_done(self, prefills: list[tuple[int, list[int]]], future: Future) -> None:
+        if future.exception() is not None:
+            with self._lock:
+                for seq, tokens in prefills:
+                    self.parked.prefill_failed(seq, tokens)
+
+    def parked_stats(self) -> dict[str, int]:
+        with self._lock:
+            return self.parked.stats()
 
     # ---- passes ------------------------------------------------------------------------------
     def submit(self, request: PassRequest) -> Future:

@@ -46,6 +46,12 @@ Requests (op: fields -> result):
     stats:     -> Stats
     idle:      -> None; the connection's program waits on something other than the engine, so the
                next batch does not wait for its next pass (scheduler.py)
+    park:      -> None; the program waits for a message with no pass in flight: the connection's
+               working sets are the first to leave the KV pool when it runs short, to host memory
+               or as their tokens (gpu/engine/saved.py). Its next request that uses one (pass,
+               fork, seq_state, reserve, save) brings them all back first: a pass is queued behind
+               the prefill of those kept as tokens, the others are answered once it ran. A pass in
+               flight on a set that leaves fails, so a client parks only with none in flight
 
 Epilogue kinds: "argmax" -> [int] (one token per readout row);
 "logits" -> float32 tensor [readout rows, vocab]; "program" with "id" -> [output values] of a
@@ -59,7 +65,7 @@ that connects knows it from the launch: programs never reach the data plane them
 that names another owner than the handshake's is a BadRequest.
 
 Error types: Unauthorized (the handshake failed), BadFrame, BadRequest, UnknownSequence (never
-created, already freed, or another connection's), PassError, OutOfPages, QuotaExceeded (the
+created, already freed, or another connection's), Evicted (a parked set that could not come back), PassError, OutOfPages, QuotaExceeded (the
 owner's kv_pages bound), InvalidSlot, KVStoreError, UnknownSaved, EpilogueError; anything else is
 the name of an unexpected engine exception.
 
@@ -167,8 +173,12 @@ class Stats(TypedDict):
     row_epilogues: dict[str, int] # epilogues run once for many passes: calls, passes they served
     step_seconds: dict[str, float]  # executed steps' time by part: plan, model, epilogue, finish; plan_cpu, finish_cpu; steps
     kv: dict[str, int]            # total, free, referenced, cached pages
-    saved: dict[str, int]         # saved sets by state (kept, spilled, tokens), spill_bytes, and
-                                  # opens by how they restored (opened_kept, _spilled, _recomputed)
+    saved: dict[str, int]         # saved sets by state (kept, spilled, tokens), spill_bytes,
+                                  # evictions (evicted_spilled, _tokens), and opens by how they
+                                  # restored (opened_kept, _spilled, _recomputed)
+    parked: dict[str, int]        # the sets of parked programs: sets, by state (kept, spilled,
+                                  # tokens), spill_bytes; evicted_spilled, evicted_tokens and
+                                  # restored_spilled, restored_recomputed so far
     connections: int
     refused: int                  # connections closed for a missing or wrong handshake proof
     requests: int                 # frames the data plane received, all connections together
