@@ -67,6 +67,7 @@ class _Process:
     host: _Host
     model: str | None                           # None: not known yet (found after a restart)
     started: float = field(default_factory=time.time)
+    restartable: bool = False                   # it called runtime.declare_restartable
 
 
 class Controller:
@@ -76,6 +77,7 @@ class Controller:
         self.hosts: dict[Any, _Host] = {}                       # actor id -> inferlet host actor
         self.processes: dict[ProcessKey, _Process] = {}
         self.endings = Endings()                                # how the ones that ended lately ended
+        self.lost_restartable: set[ProcessKey] = set()          # forgotten with their dead host, to run again
         self.launches = 0
         self._numbers = itertools.count(1)
         self._find_hosts()
@@ -220,17 +222,30 @@ class Controller:
             process.host.empty_since = time.monotonic()
         return process.host
 
-    def lost(self, key: ProcessKey, actor_died: bool = True) -> None:
-        """A process's stream broke (its runtime saw it): forget the name. `actor_died`: its host
-        actor is gone, with every process it ran; it is placed on no more."""
+    def declare_restartable(self, key: ProcessKey) -> None:
+        """Process `key` may run again from its start if its host actor dies (its runtime relaunches it)."""
+        if key in self.processes:
+            self.processes[key].restartable = True
+
+    def lost(self, key: ProcessKey, actor_died: bool = True) -> bool:
+        """A process's stream broke (its runtime saw it): forget the name, and say whether the
+        process declared itself restartable. `actor_died`: its host actor is gone, with every
+        process it ran; it is placed on no more."""
+        restartable = key in self.processes and self.processes[key].restartable
+        if key in self.lost_restartable:           # its host's death was reported by a neighbour's runtime
+            self.lost_restartable.discard(key)
+            restartable = True
         host = self._forget(key, "was lost: its actor died" if actor_died else "was lost: its stream broke")
         if host is not None and actor_died:
             import ray
             for other in list(host.processes):
+                if self.processes[other].restartable:
+                    self.lost_restartable.add(other)
                 self._forget(other, "was lost: its actor died")
             self.hosts.pop(host.actor._actor_id, None)
             ray.kill(host.actor)
             self._keep_spare()
+        return restartable
 
     def finished(self, key: ProcessKey, how: str | None = None) -> None:
         """A process's run ended (its actor reports it, and `how`: peers.ending): forget the name."""

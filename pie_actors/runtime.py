@@ -236,6 +236,9 @@ class _LocalPeers:
     def running(self) -> int:
         return self.local.running(self.owner)
 
+    def declare_restartable(self) -> None:
+        """Nothing to do: what runs a local process is this process, lost only with its launcher."""
+
 
 # ---- on a Ray cluster ----------------------------------------------------------------------------
 
@@ -390,31 +393,42 @@ class _Cluster:
 async def _pump(stream: Any, process: Process, lost: Callable[[bool], Any],
                 again: Callable[[], None] | None = None) -> None:
     """Hand the events of an actor's run to its Process as they arrive (lists of what arrived
-    together); `lost` tells the Controller when the stream broke, and whether the actor died.
-    `again` runs a restartable run once more (a pump of its own takes over) when it fails for its
-    engine."""
+    together). When the stream breaks, `lost` tells the Controller, and whether the actor died; its
+    answer says whether the process declared itself restartable. `again` runs a restartable run
+    once more (a pump of its own takes over) when its engine or its actor was lost under it."""
     import ray
 
     last = None
     try:
         async for ref in stream:
             for last in await ref:
-                if isinstance(last, Failed) and last.restartable and again is not None:
-                    try:
-                        await asyncio.to_thread(again)
+                if isinstance(last, Failed) and last.restartable:
+                    if (last := await _again(again, last)) is None:
                         return
-                    except Exception as e:
-                        last = dataclasses.replace(last, message=f"{last.message} (not restarted: {type(e).__name__}: {e})")
                 process.emit(last)
     except asyncio.CancelledError:    # the runtime closed: its reader must not wait forever
         process.emit(Failed("cancelled", "the runtime closed"))
         raise
     except Exception as e:            # the actor died, or its task failed outside the run
+        died = isinstance(e, ray.exceptions.RayActorError)
         last = Failed("trap", f"the inferlet's actor failed: {type(e).__name__}: {e}")
+        if await lost(died) and died:
+            if (last := await _again(again, last)) is None:
+                return
         process.emit(last)
-        lost(isinstance(e, ray.exceptions.RayActorError))
     if not isinstance(last, (Done, Failed)):
         process.emit(Failed("trap", f"process {process.name!r} ended without a result"))
+
+
+async def _again(again: Callable[[], None] | None, failed: Failed) -> Failed | None:
+    """Run a restartable process again: None once it started again, else `failed`, saying why not."""
+    if again is None:
+        return failed
+    try:
+        await asyncio.to_thread(again)
+        return None
+    except Exception as e:
+        return dataclasses.replace(failed, message=f"{failed.message} (not restarted: {type(e).__name__}: {e})")
 
 
 async def _cancel_all() -> None:

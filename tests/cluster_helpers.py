@@ -89,10 +89,12 @@ async def main(input):
 """
 # prefills its prompt, says "ready" and holds its working set until told to go on, then greedy-decodes
 HOLDER = """
-from inferlet import session
+from inferlet import runtime, session
 from inferlet.eta import ForwardPass, Pipeline, StateGeometry, WorkingSet, intrinsics, reduce_argmax
 
 async def main(input):
+    if input.get("restartable"):
+        runtime.declare_restartable()
     tokens, ws, pipe, done = list(input["prompt"]), WorkingSet(), Pipeline(), 0
     for i in range(input["n"]):
         fwd = ForwardPass()

@@ -93,6 +93,10 @@ class Peers(Protocol):
         """How many processes of the owner run now (this one included)."""
         ...
 
+    def declare_restartable(self) -> None:
+        """The sender may run again from the start if what runs it is lost (runtime.declare_restartable)."""
+        ...
+
 
 def send_within(peers: Peers, name: str, message: Any, wait_s: float) -> None:
     """Deliver `message` to `name`, waiting while its mailbox is full, `wait_s` seconds at most."""
@@ -178,6 +182,9 @@ class ClusterPeers:
         import ray
 
         return ray.get(self.controller.running.remote(self.owner), timeout=LOOKUP_WAIT_S)
+
+    def declare_restartable(self) -> None:
+        self.controller.declare_restartable.remote((self.owner, self.sender))
 
 
 _runtimes: dict[EngineConfig, Any] = {}      # an engine's settings -> the launch API on its cluster

@@ -45,6 +45,8 @@ class SpawnOps:
 
     def declare_restartable(self, args: Any) -> None:
         self.run.restartable = True
+        if self.peers is not None:          # its runtime runs it again if its host is lost too
+            self.peers.declare_restartable()
 
     def _peers(self) -> Peers:
         if self.peers is None:
