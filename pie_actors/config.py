@@ -155,6 +155,9 @@ class RunLimits:
     restarts: int = _doc("times a run that declared itself restartable (runtime.declare_restartable) is "
                          "launched again, on its input, after its engine was lost under it (on a Ray "
                          "cluster, where Ray restarts the engine)", default=3)
+    park_after_s: float = _doc("seconds a run waits in session.receive with no pass in flight before it "
+                               "parks: its working sets are then the first to leave the KV pool when it "
+                               "runs short, and come back before its next pass (0: at once)", default=5.0)
 
     def __post_init__(self) -> None:
         if isinstance(self.allow_hosts, list):
@@ -169,7 +172,7 @@ class RunLimits:
             raise ConfigError(f"limits.timeout_s must be positive, got {self.timeout_s!r}")
         _check_min(self, "limits", memory_mb=16, table_elements=1, instances=1, tables=1, memories=1,
                    message_mb=1, run_ahead_window=1, channel_capacity=1, mailbox_size=1, http_response_mb=1, restarts=0)
-        _check_min(self, "limits", kv_pages=0, inferlets=0)
+        _check_min(self, "limits", kv_pages=0, inferlets=0, park_after_s=0)
 
 
 QUOTA_BOUNDS = ("inferlets", "tokens_per_minute", "kv_pages")     # what [serve.quotas] bounds per key

@@ -17,9 +17,14 @@ It receives the run's `RunState`: the engine connection (`client`, on the loop t
 - Passes are written to the engine in submission order (`RunState.post` is FIFO and
   `EngineClient.start_pass` writes without awaiting); a repeating pass (`run_ahead`) stays on the
   engine, which runs it up to `window` times ahead of the reads the guest acknowledged.
+- A run parks (`Pipeline.park`, or `session.receive` still waiting after `limits.park_after_s`)
+  once it has no pass in flight, unless it submits one first: the engine lets its working sets
+  leave the KV pool first when the pool runs short, and brings them back at its next request on
+  one (gpu/engine/saved.py), so the guest never sees it.
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import threading
@@ -65,10 +70,12 @@ class EtaOps:
         self._held: dict[int, int] = {}                  # engine channel -> values its reads wait for
         self._in_flight = 0                               # passes sent and not finished
         self._told_idle = False                           # the engine knows we wait on something else
+        self._park = False                                # to park once no pass is in flight
         # what was made before the engine was chosen, sent in order once it is (`_client`)
         self._steps: list[Callable[[EngineClient], Awaitable[None]]] = []
         self._lost_steps = ""                              # why they were not all sent, if so
         run.on_push = self._on_push
+        run.on_receive = self._receiving
 
     def ops(self) -> dict[str, Callable[[Any], Any]]:
         return {
@@ -77,6 +84,7 @@ class EtaOps:
             "ws.open": self.ws_open, "ws.saved": self.ws_saved, "ws.delete_saved": self.ws_delete_saved,
             "eta.program": self.program, "eta.submit": self.submit, "eta.run_ahead": self.run_ahead,
             "eta.run_ahead_ack": self.run_ahead_ack, "eta.run_ahead_stop": self.run_ahead_stop,
+            "eta.park": self.park,
             "chan.create": self.chan_create, "chan.put": self.chan_put, "chan.put_bits": self.chan_put_bits,
             "chan.take": self.chan_take, "chan.take_scalar": self.chan_take_scalar, "chan.free": self.chan_free,
         }
@@ -216,6 +224,30 @@ class EtaOps:
             self._told_idle = True
         self.run.post(self.run.client.idle)
 
+    # ---- parking ------------------------------------------------------------------------------
+
+    def park(self, args: Any = None) -> None:
+        """Pipeline.park: park now, or once the passes in flight have run (unless the guest
+        submits another first)."""
+        if self._wants_park():
+            self.run.post(self.run.client.park)
+
+    def _wants_park(self) -> bool:
+        """The run is to park: True when it can at once (bound to its engine, no pass in flight)."""
+        with self._busy_cond:
+            self._park = True
+            return self.run.bound and not self._in_flight
+
+    def _receiving(self, fid: int) -> None:
+        """The guest awaits a message (future `fid`): still waiting after park_after_s, it parks."""
+        if self.run.futures.is_open(fid):
+            self.run.start_task(self._park_after(fid))
+
+    async def _park_after(self, fid: int) -> None:
+        await asyncio.sleep(self.run.limits.park_after_s)
+        if self.run.futures.is_open(fid) and self._wants_park():
+            self.run.client.park()
+
     def ws_state(self, handle: Any) -> dict:
         seq = self._seq(handle)
         return self.run.wait(self.run.client.state(seq))
@@ -310,11 +342,14 @@ class EtaOps:
         self._hold(handles)
         with self._busy_cond:
             self._in_flight += 1
-            self._told_idle = False
+            self._told_idle = self._park = False
 
         def finished(fut) -> None:
             with self._busy_cond:
                 self._in_flight -= 1
+                park = self._park and not self._in_flight
+            if park:
+                self.run.client.park()
             self._release(handles)
             done(fut)
 

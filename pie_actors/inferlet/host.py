@@ -135,6 +135,11 @@ class FutureTable:
             self._interrupted = True
             self._cond.notify_all()
 
+    def is_open(self, fid: int) -> bool:
+        """Whether future `fid` is still to complete."""
+        with self._cond:
+            return fid in self._open
+
     def open_count(self) -> int:
         with self._cond:
             return len(self._open)

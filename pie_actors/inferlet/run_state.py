@@ -105,6 +105,7 @@ class RunState:
         self.tokens = 0              # what the run cost the engine (`close` reads it), its ended children's too
         self.client: EngineClient | None = None         # None until `bind`, with an EngineChoice
         self.on_push: Callable[[dict], None] | None = None   # engine pushes (eta_ops.py)
+        self.on_receive: Callable[[int], None] | None = None   # the future of a message awaited (eta_ops.py)
         self._choice = engine if isinstance(engine, EngineChoice) else None
         try:
             if self._choice is None:

@@ -7,7 +7,8 @@ the JSON boundary as base64 text. Messages reach a run from any thread (its clie
 process's `send_to`) through `deliver` / `deliver_file` and are handed, in order, to the guest's
 pending `receive` / `receive_from` / `receive_file` futures. The mailbox is bounded for messages
 from processes (`limits.mailbox_size`: a sender finding it full waits, then fails); the client's
-messages are always taken.
+messages are always taken. A run that waits for a message parks after `limits.park_after_s`
+(`RunState.on_receive`, eta_ops.py).
 """
 from __future__ import annotations
 
@@ -61,10 +62,16 @@ class SessionOps:
         self.file_inbox.put(_b64(data))
 
     def receive(self, args: Any) -> int:
-        return self.inbox.receive()
+        return self._waiting(self.inbox.receive())
 
     def receive_from(self, args: Any) -> int:
-        return self.inbox.receive(convert=list)
+        return self._waiting(self.inbox.receive(convert=list))
+
+    def _waiting(self, fid: int) -> int:
+        # a run that waits long for a message parks (eta_ops.py)
+        if self.run.on_receive is not None:
+            self.run.on_receive(fid)
+        return fid
 
     def receive_file(self, args: Any) -> int:
         return self.file_inbox.receive()

@@ -658,6 +658,12 @@ class Pipeline:
         self._closed = True
 
     def park(self) -> None:
-        """Step out of batching while idle. The engine only batches passes that are pending, so
-        an idle pipeline costs nothing here: a no-op, kept for programs written for engines
-        that reserve batch slots per pipeline."""
+        """Park the program: it is about to wait (for a message, a tool, its client) and needs
+        its working sets only later. Parked, its working sets are the first to leave the engine's
+        KV pool when the pool runs short: their K and V rows go to host memory while
+        `[engine] spill_memory_mb` has room, else only their tokens are kept. They come back before
+        the program's next pass or other use of them (written back, or recomputed from their
+        tokens), with the same results as if they had never left. It takes effect once the passes
+        in flight have run, and lasts until the next pass is submitted. A program waiting in
+        `session.receive()` parks by itself after `[limits] park_after_s`."""
+        _host.call("eta.park")
