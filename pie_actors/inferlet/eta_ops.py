@@ -71,6 +71,7 @@ class EtaOps:
         self._in_flight = 0                               # passes sent and not finished
         self._told_idle = False                           # the engine knows we wait on something else
         self._park = False                                # to park once no pass is in flight
+        self._park_timer: asyncio.TimerHandle | None = None   # parks a run that waits for a message
         # what was made before the engine was chosen, sent in order once it is (`_client`)
         self._steps: list[Callable[[EngineClient], Awaitable[None]]] = []
         self._lost_steps = ""                              # why they were not all sent, if so
@@ -241,12 +242,17 @@ class EtaOps:
     def _receiving(self, fid: int) -> None:
         """The guest awaits a message (future `fid`): still waiting after park_after_s, it parks."""
         if self.run.futures.is_open(fid):
-            self.run.start_task(self._park_after(fid))
+            self.run.post(self._park_later, fid)
 
-    async def _park_after(self, fid: int) -> None:
-        await asyncio.sleep(self.run.limits.park_after_s)
+    def _park_later(self, fid: int) -> None:
+        # loop thread; one timer a run, for its latest wait (a busy mailbox makes many)
+        if self._park_timer is not None:
+            self._park_timer.cancel()
+        self._park_timer = self.run.loop.call_later(self.run.limits.park_after_s, self._park_waiting, fid)
+
+    def _park_waiting(self, fid: int) -> None:
         if self.run.futures.is_open(fid) and self._wants_park():
-            self.run.client.park()
+            self.run.client.park()      # a connection closed meanwhile drops it
 
     def ws_state(self, handle: Any) -> dict:
         seq = self._seq(handle)

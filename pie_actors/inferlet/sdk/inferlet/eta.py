@@ -664,6 +664,7 @@ class Pipeline:
         `[engine] spill_memory_mb` has room, else only their tokens are kept. They come back before
         the program's next pass or other use of them (written back, or recomputed from their
         tokens), with the same results as if they had never left. It takes effect once the passes
-        in flight have run, and lasts until the next pass is submitted. A program waiting in
-        `session.receive()` parks by itself after `[limits] park_after_s`."""
+        in flight have run (unless another is submitted first), and lasts until the program uses
+        its working sets again. A program waiting in `session.receive()` parks by itself after
+        `[limits] park_after_s`."""
         _host.call("eta.park")
