@@ -14,6 +14,9 @@ import pytest
 
 from pie_actors import InferletError, Process, Runtime, Send
 from pie_actors.config import ConfigError, load
+from pie_actors.gpu.engine import Lane, PassRequest
+
+from tests.engine_helpers import make_engine
 
 SETTINGS = dict(dtype="float32", timeout_s=300, compile="off", park_after_s=0)
 SMALL = 10           # pages of 16 tokens: a session holds 5 after its third turn, so 2 fit at once
@@ -185,6 +188,38 @@ def test_a_parked_process_is_sent_to_and_killed_as_a_running_one(recomputing, re
         session.result()
     assert failed.value.kind == "cancelled"
     _settled(recomputing)
+
+
+def test_a_set_forked_just_before_it_is_evicted_spills_what_its_fork_copies(default_model_dir):
+    """A parked set whose tail page's copy from its parent has not run yet when the pool runs short
+    spills the parent's rows for that page, and continues as its parent does."""
+    engine = make_engine(default_model_dir, num_pages=6)
+    greedy = lambda logits: int(logits[-1].argmax())                 # noqa: E731
+
+    def decode(seq: int, feed: list[int], n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            future = engine.submit(PassRequest([Lane(seq, feed)], epilogue=greedy))
+            engine.run_until_idle()
+            out.append(future.result())
+            feed = [out[-1]]
+        return out
+
+    parent = engine.create_sequence()
+    first = decode(parent, engine.tokenizer.encode(_prompt(0) + _message(0, 0)), 1)   # 2 pages, 1 full
+    child = engine.fork(parent)                  # its tail page is copied before the next batch
+    engine.park([child])
+    hog = engine.create_sequence()               # takes all but 2 pages: the child has to go
+    engine.submit(PassRequest([Lane(hog, [100 + i for i in range(4 * 16)])], epilogue=greedy))
+    engine.run_until_idle()
+    assert engine.parked_stats()["spilled"] == 1
+    engine.free(hog)
+    assert engine.unpark([child], None) is None
+    assert decode(child, first, 6) == decode(parent, first, 6)
+    engine.free(child)
+    engine.free(parent)
+    assert engine.kv_stats()["referenced"] == 0
+    engine.kv.check()
 
 
 def test_a_negative_park_after_s_is_refused():

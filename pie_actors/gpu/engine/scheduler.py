@@ -293,8 +293,9 @@ class Scheduler:
     def schedule(self) -> tuple[list[Planned], BatchPlan, int]:
         """The next batch: its planned passes, the plan the workers run, and how many passes were
         handled (planned or rejected)."""
+        # The copies run first in this batch; they stay the pending ones while its passes are
+        # planned, for an allocation that evicts a set to see those into its pages (saved.py).
         plan = BatchPlan([], [], [], [], [], self.copies)
-        self.copies = []
         planned: list[Planned] = []
         busy: set[int] = set()
         handled = 0
@@ -333,6 +334,7 @@ class Scheduler:
                 queue = rest
             if queue:
                 self.pending[owner] = queue
+        self.copies = []
         return planned, plan, handled
 
     def fail(self, req: PassRequest, error: Exception) -> None:
