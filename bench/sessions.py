@@ -25,6 +25,25 @@ such turn, and the engine's own count of the rows it ran meanwhile (prompts and 
 `tokens_computed`). Greedy decoding: the three paths' replies are compared, turn by turn.
 
 Target: from turn 2 on, the median TTFT of a live path (responses, session) at most 0.5x stateless's.
+
+    python bench/sessions.py --idle N[,N...] [--per-actor 64,1] [--burst 256] [--model dummy] [--out ...]
+
+`--idle`: what a live idle session costs on a cluster. For each N and each `[cluster]
+inferlets_per_actor` P of `--per-actor` (P = 1 at `--small-n` sessions only: an actor process each),
+a fresh `pie serve` on a Ray cluster of its own (the dummy model by default: the engine's cost is
+negligible, the hosting's shows). One fresh session per topic first answers four turns alone (the
+reference: greedy, so equal inputs give equal replies). Then N sessions of the session program above,
+each on a WebSocket connection of its own from one asyncio client process, are launched `--burst`
+at a time and answer their first turn; after park_after_s + 1 s idle, the host memory is taken
+again: PSS (/proc/PID/smaps_rollup) summed over this process and every process of its Ray cluster,
+the client's left out, against the same sum before the connections opened; the engine's KV pool is
+allocated at its start (in the sum before), and the KV pages the sessions hold are taken off the
+difference. Then all N answer turn 2 at once (idle past park_after_s: parked), each reply checked
+against the reference, and a sample of them, one at a time, turn 3 (parked again) and at once turn 4
+(live): TTFT = from sending the turn to the first message of its reply.
+
+Targets: <= 10 MB of host memory per idle session (KV aside); 1,000 sessions, each answering its
+next turn correctly; a burst of 256 launches done in <= 5 s.
 """
 from __future__ import annotations
 
@@ -37,6 +56,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from report import add_output_options, publish
 
@@ -213,20 +233,445 @@ def summary_table(results: dict[str, list[list[Turn]]], rows: dict[str, int]) ->
     return "\n".join(lines)
 
 
+# ---- idle sessions on a cluster (--idle) ---------------------------------------------------------------
+
+IDLE_TURNS = 4          # turn 1 before the memory is taken, 2 all at once, 3 parked and 4 live in the sample
+STUCK_S = 120.0         # a launch or turn unanswered this long counts as failed (and its session drops out)
+
+
+@dataclass
+class _Conn:
+    """One client's WebSocket and the one session it launched: answers to its requests (one at a
+    time) and the session's events, each in a queue of its own."""
+    ws: Any
+    replies: asyncio.Queue
+    events: asyncio.Queue
+    process: str | None = ""     # None: the session failed or stopped answering
+    reader: Any = None           # the task that reads the socket (held: a task nobody holds may be collected)
+
+
+async def _open(url: str) -> _Conn:
+    from websockets.asyncio.client import connect
+
+    from pie_actors.client import ws_url
+    from pie_actors.ws_protocol import decode
+
+    conn = _Conn(await connect(ws_url(url), max_size=None, open_timeout=300, ping_interval=None),
+                 asyncio.Queue(), asyncio.Queue())
+
+    async def read() -> None:
+        async for data in conn.ws:
+            frame = decode(data)
+            (conn.replies if "id" in frame else conn.events).put_nowait(frame)
+
+    conn.reader = asyncio.create_task(read())
+    return conn
+
+
+async def _request(conn: _Conn, frame: dict[str, Any]) -> dict[str, Any]:
+    from pie_actors.ws_protocol import RequestError, encode
+
+    await conn.ws.send(encode({**frame, "id": 0}, True))
+    reply = await asyncio.wait_for(conn.replies.get(), 600)
+    if reply["type"] == "error":
+        raise RequestError(reply["code"], reply["message"])
+    return reply
+
+
+async def _launch(conn: _Conn, program: str, max_tokens: int) -> None:
+    reply = await _request(conn, {"type": "launch", "hash": program, "timeout": 3600,
+                                  "input": {"system": INSTRUCTIONS, "max_tokens": max_tokens}})
+    conn.process = reply["process"]
+
+
+async def _idle_turn(conn: _Conn, text: str) -> tuple[float, str]:
+    """(seconds to the reply's first message, the reply) of one turn."""
+    import json
+
+    t0, first = time.perf_counter(), None
+    await _request(conn, {"type": "send", "process": conn.process, "message": text})
+    while True:
+        frame = await asyncio.wait_for(conn.events.get(), 600)
+        first = first or time.perf_counter()
+        if frame["type"] != "text":
+            raise RuntimeError(f"session {conn.process} ended: {frame}")
+        message = json.loads(frame["text"])
+        if "reply" in message:
+            return first - t0, message["reply"]
+
+
+async def _end(conn: _Conn) -> None:
+    await _request(conn, {"type": "send", "process": conn.process, "message": ""})
+    while (await asyncio.wait_for(conn.events.get(), 600))["type"] == "text":
+        pass
+    await conn.ws.close()
+
+
+def _question(session: int, turn: int) -> str:
+    return conversation(session % len(TOPICS), turn + 1)[turn]
+
+
+class _IdleClients:
+    """The client side (in a process of its own, so that its memory stays out of the server's): N
+    sessions, each on its own connection, driven by one asyncio loop."""
+
+    def __init__(self, url: str, max_tokens: int) -> None:
+        from pie_actors.program import Program
+        from pie_actors.ws_protocol import program_hash
+
+        self.url, self.max_tokens, self.sessions = url, max_tokens, []
+        self.program = Program.load(SESSION)
+        self.hash = program_hash(self.program)
+
+    async def reference(self) -> list[list[str]]:
+        """Every topic's IDLE_TURNS replies, each conversation alone in a fresh session, one after another."""
+        from pie_actors.ws_protocol import program_payload
+
+        replies = []
+        for k in range(len(TOPICS)):
+            conn = await _open(self.url)
+            if k == 0:                            # the server keeps it by hash for every later launch
+                await _request(conn, {"type": "upload", "program": program_payload(self.program)})
+            await _launch(conn, self.hash, self.max_tokens)
+            replies.append([(await _idle_turn(conn, _question(k, t)))[1] for t in range(IDLE_TURNS)])
+            await _end(conn)
+        return replies
+
+    async def launch(self, n: int, burst: int) -> list[float]:
+        """Open n connections, then launch a session on each, `burst` at once: each wave's seconds
+        (a session whose launch failed or went unanswered for STUCK_S is left out of every turn)."""
+        conns: list[_Conn] = []
+        while len(conns) < n:                     # 100 handshakes at a time: the listen backlog is finite
+            conns += await asyncio.gather(*(_open(self.url) for _ in range(min(100, n - len(conns)))))
+        waves = []
+        for start in range(0, n, burst):
+            t0 = time.perf_counter()
+            await asyncio.gather(*(self._bounded(c, _launch(c, self.hash, self.max_tokens))
+                                   for c in conns[start:start + burst]))
+            waves.append(time.perf_counter() - t0)
+        self.sessions = conns
+        return waves
+
+    async def _bounded(self, conn: _Conn, step: Any) -> Any:
+        """`step`'s result, or None once its session failed or went STUCK_S without an answer."""
+        if conn.process is None:
+            step.close()
+            return None
+        try:
+            return await asyncio.wait_for(step, STUCK_S)
+        except Exception as e:
+            print(f"session {conn.process or '(launching)'}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            conn.process = None
+            return None
+
+    async def turn(self, turn: int, which: list[int] | None = None) -> list[tuple[float, str] | None]:
+        """Turn `turn` of the sessions `which` (default all), sent all at once (None: no answer)."""
+        which = range(len(self.sessions)) if which is None else which
+        return await asyncio.gather(*(self._bounded(self.sessions[i], _idle_turn(self.sessions[i], _question(i, turn)))
+                                      for i in which))
+
+    async def pairs(self, which: list[int]) -> list[tuple[tuple[float, str] | None, tuple[float, str] | None]]:
+        """One session at a time: turn 3 (after an idle spell), then at once turn 4."""
+        pairs = []
+        for i in which:
+            conn = self.sessions[i]
+            parked = await self._bounded(conn, _idle_turn(conn, _question(i, 2)))
+            pairs.append((parked, await self._bounded(conn, _idle_turn(conn, _question(i, 3)))))
+        return pairs
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.ws.close() for c in self.sessions), return_exceptions=True)
+
+
+def _clients_main(pipe: Any, url: str, max_tokens: int) -> None:
+    """Answer the parent's commands ((method, *args) of _IdleClients, then None) until it sends None."""
+    import traceback
+
+    async def serve() -> None:
+        clients, loop = _IdleClients(url, max_tokens), asyncio.get_running_loop()
+        while (command := await loop.run_in_executor(None, pipe.recv)) is not None:
+            try:
+                pipe.send(("ok", await getattr(clients, command[0])(*command[1:])))
+            except Exception:
+                pipe.send(("error", traceback.format_exc()))
+        await clients.close()
+
+    asyncio.run(serve())
+
+
+class _ClientProcess:
+    def __init__(self, url: str, max_tokens: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.pipe, theirs = context.Pipe()
+        self.process = context.Process(target=_clients_main, args=(theirs, url, max_tokens), daemon=True)
+        self.process.start()
+
+    def __call__(self, *command: Any) -> Any:
+        self.pipe.send(command)
+        status, value = self.pipe.recv()
+        if status == "error":
+            raise RuntimeError(f"the clients' process failed:\n{value}")
+        return value
+
+    def close(self) -> None:
+        self.pipe.send(None)
+        self.process.join(60)
+
+
+def _parents() -> dict[int, int]:
+    """Every process's parent: pid -> ppid."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass                              # it ended meanwhile
+    return parents
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def server_processes(session_name: str, leave_out: int) -> list[int]:
+    """This process, its descendants and any process that names the Ray session (one that left the
+    tree), less the process `leave_out` and its descendants."""
+    parents = _parents()
+    mine, changed = {os.getpid()}, True
+    while changed:
+        grown = mine | {p for p, parent in parents.items() if parent in mine and p != leave_out}
+        changed, mine = grown != mine, grown
+    return sorted(mine | {p for p in parents if p not in mine and p != leave_out and session_name in _cmdline(p)})
+
+
+def pss_mb(pids: list[int]) -> float:
+    """Proportional set size summed over `pids`, in MB: shared pages split among their users, so a
+    sum over processes counts each page once."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                total += sum(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+        except (OSError, ValueError):
+            pass
+    return total / 1024
+
+
+def _kv_bytes_per_token(model: str, dtype_bytes: int) -> int:
+    """K and V of one token over every layer, from the model's config.json."""
+    import json
+
+    from pie_actors.model_store import resolve_model
+
+    config = json.loads((resolve_model(model) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    return config["num_hidden_layers"] * 2 * kv_heads * head_dim * dtype_bytes
+
+
+def _pct(values: list[float], q: float) -> str:
+    """The q-quantile of `values` in ms ("-": none)."""
+    values = sorted(values)
+    return _ms(values[min(len(values) - 1, int(q * len(values)))]) if values else "-"
+
+
+@dataclass(frozen=True)
+class IdleRow:
+    per_actor: int
+    n: int
+    host_actors: int
+    ray_workers: int
+    pss_before: float            # MB
+    pss_after: float
+    kv_mb: float                 # what the sessions' KV pages hold, taken off the difference
+    waves: list[float]           # seconds each burst of launches took
+    first_turn_s: float          # all N answering turn 1 at once, after their launch
+    correct: int                 # of the N turn-2 replies, equal to the reference
+    ttft: list[float]            # turn 2 of all N at once
+    parked: list[float]          # the sample's turn 3, one at a time
+    live: list[float]            # the sample's turn 4, right after turn 3
+    sample_correct: int          # of the sample's turns 3 and 4
+    parked_sets: int             # the engine's parked working sets while the N sat idle (-1: no such count)
+
+    @property
+    def per_session(self) -> float:
+        return (self.pss_after - self.pss_before - self.kv_mb) / self.n
+
+
+def idle_run(model: str, per_actor: int, n: int, burst: int, max_tokens: int, sample: int,
+             settings: dict[str, Any]) -> IdleRow:
+    """N idle sessions on a fresh pie serve on a Ray cluster of its own, hosting `per_actor`
+    sessions an actor."""
+    import ray
+
+    from pie_actors.config import load
+    from pie_actors.controller import INFERLET_PREFIX, NAMESPACE
+    from pie_actors.serve import Server
+
+    # a cluster of its own, never one that runs on this machine already: the sum must be ours alone
+    ray.init(address="local", include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,
+             logging_level="ERROR", configure_logging=False)
+    session_name = ray._private.worker._global_node.session_name
+    park_after = load(**settings).limits.park_after_s if _parking() else 0.0
+    try:
+        with Server(model, local=False, port=0, inferlets_per_actor=per_actor, **settings) as server:
+            clients = _ClientProcess(server.url, max_tokens)
+            try:
+                reference = clients("reference")
+                config = server.runtime.config.engine
+                kv_page = config.page_size * _kv_bytes_per_token(model, 4 if config.dtype == "float32" else 2)
+
+                def held_pages() -> int:
+                    return server.runtime.stats()["kv"]["referenced"]
+
+                time.sleep(2)
+                pages, before = held_pages(), pss_mb(server_processes(session_name, clients.process.pid))
+                waves = clients("launch", n, burst)
+                print(f"P={per_actor} N={n}: launched in {sum(waves):.2f} s", file=sys.stderr, flush=True)
+                t0 = time.perf_counter()
+                first = clients("turn", 0)
+                first_s = time.perf_counter() - t0
+                print(f"P={per_actor} N={n}: turn 1 answered by {sum(r is not None for r in first)} in "
+                      f"{first_s:.2f} s", file=sys.stderr, flush=True)
+                time.sleep(max(park_after + 1, 3))
+                pids = server_processes(session_name, clients.process.pid)
+                after, kv = pss_mb(pids), (held_pages() - pages) * kv_page / 2**20
+                stats = server.runtime.stats()
+                parked_sets = stats.get("parked", {}).get("sets", -1)
+                workers = sum(_cmdline(p).startswith("ray::") for p in pids)
+                actors = sum(name.startswith(INFERLET_PREFIX) for name in ray.util.list_named_actors())
+                second = clients("turn", 1)
+                time.sleep(park_after + 1)
+                chosen = list(range(min(sample, n)))
+                pairs = clients("pairs", chosen)
+            finally:
+                clients.close()
+    finally:
+        ray.shutdown()
+    def right(answer: tuple[float, str] | None, session: int, turn: int) -> bool:
+        return answer is not None and answer[1] == reference[session % len(TOPICS)][turn]
+
+    correct = sum(right(answer, i, 1) for i, answer in enumerate(second))
+    sample_correct = sum(right(p, i, 2) + right(lv, i, 3) for i, (p, lv) in zip(chosen, pairs))
+    return IdleRow(per_actor, n, actors, workers, before, after, kv, waves, first_s, correct,
+                   [a[0] for a in second if a], [p[0] for p, _ in pairs if p], [lv[0] for _, lv in pairs if lv],
+                   sample_correct, parked_sets)
+
+
+def _parking() -> bool:
+    """Whether this version parks idle sessions (`[limits] park_after_s`)."""
+    from dataclasses import fields
+
+    from pie_actors.config import RunLimits
+
+    return "park_after_s" in {f.name for f in fields(RunLimits)}
+
+
+def idle_table(rows: list[IdleRow], burst: int) -> str:
+    parking = _parking()
+    head = ["inferlets per actor", "N", "host actors", "Ray workers", "PSS before / after MB", "KV held MB",
+            "MB per idle session", f"first launch burst s (<= {burst} at once)", "all N launched s", "turn 1, all N s",
+            "turn 2 correct", "turn 2 TTFT p50 / p90 ms, all N at once",
+            "next turn TTFT p50 ms, parked / live" if parking else "next turn TTFT p50 ms, live"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        next_turn = f"{_pct(r.parked, 0.5)} / {_pct(r.live, 0.5)}" if parking else _pct(r.live, 0.5)
+        lines.append(f"| {r.per_actor} | {r.n} | {r.host_actors} | {r.ray_workers} | {r.pss_before:.0f} / "
+                     f"{r.pss_after:.0f} | {r.kv_mb:.1f} | {r.per_session:.1f} | {r.waves[0]:.2f} | "
+                     f"{sum(r.waves):.2f} | {r.first_turn_s:.2f} | {r.correct}/{r.n} | {_pct(r.ttft, 0.5)} / "
+                     f"{_pct(r.ttft, 0.9)} | {next_turn} |")
+    return "\n".join(lines)
+
+
+def idle_targets(rows: list[IdleRow], burst: int) -> str:
+    pooled = [r for r in rows if r.per_actor > 1]
+    if not pooled:
+        return ""
+    most = max(pooled, key=lambda r: r.n)
+    bursts = [r.waves[0] for r in pooled if r.n >= burst]
+    memory = max(r.per_session for r in pooled)
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "not met"
+
+    lines = ["| target | measured | verdict |", "|---|---|---|",
+             f"| <= 10 MB of host memory per idle session, KV aside | at most {memory:.1f} MB "
+             f"(inferlets_per_actor {', '.join(sorted({str(r.per_actor) for r in pooled}))}) | {verdict(memory <= 10)} |",
+             f"| 1,000 sessions, each answering its next turn correctly | {most.correct}/{most.n} at N = {most.n} | "
+             f"{verdict(most.n >= 1000 and most.correct == most.n)} |"]
+    if bursts:
+        lines.append(f"| a burst of {burst} launches in <= 5 s | {max(bursts):.2f} s | {verdict(max(bursts) <= 5)} |")
+    return "\n".join(lines)
+
+
+def idle_main(args: Any) -> None:
+    settings = dict(device="cpu", dtype=args.dtype, compile=args.compile, num_threads=args.threads,
+                    kv_memory_mb=args.kv_memory_mb)
+    runs = [(p, n) for p in args.per_actor for n in (args.idle if p > 1 else [args.small_n])]
+    rows = []
+    for per_actor, n in runs:
+        started = time.perf_counter()
+        rows.append(idle_run(args.model, per_actor, n, args.burst, args.tokens, args.sample, settings))
+        print(idle_table(rows[-1:], args.burst).splitlines()[-1] + f" ({time.perf_counter() - started:.0f} s)",
+              file=sys.stderr, flush=True)
+    sample = "; ".join(f"P={r.per_actor} N={r.n}: {r.sample_correct}/{2 * len(r.live)} sample replies correct, "
+                       f"{r.parked_sets} parked working sets while idle" for r in rows)
+    parking = (f"parked: idle past [limits] park_after_s ({_park_after(settings)} s) before the turn" if _parking()
+               else "this version has no [limits] park_after_s: live sessions only")
+    env = (f"{args.model}, {args.dtype}, {args.threads} engine thread{'s' if args.threads > 1 else ''}, "
+           f"kv_memory_mb {args.kv_memory_mb}; pie serve on a Ray cluster of its own; each session on a WebSocket "
+           f"connection of its own, all from one asyncio process; launches {args.burst} at once; at most "
+           f"{args.tokens} tokens a reply, greedy; MB per idle session = (PSS after - before - KV held) / N, PSS "
+           f"summed over the server's and its Ray cluster's processes; next-turn TTFT over {args.sample} sessions "
+           f"one at a time, {parking}; {sample}; 1-min load average {os.getloadavg()[0]:.1f} at the end")
+    targets = idle_targets(rows, args.burst)
+    publish(env, f"{idle_table(rows, args.burst)}\n\n{targets}\n", args.out, args.title)
+
+
+def _park_after(settings: dict[str, Any]) -> float:
+    from pie_actors.config import load
+
+    return load(**settings).limits.park_after_s
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--conversations", type=int, default=5, help="K: conversations a path, interleaved")
     ap.add_argument("--turns", type=int, default=5, choices=range(2, len(QUESTIONS) + 1), metavar="T",
                     help=f"T: turns a conversation (2-{len(QUESTIONS)})")
-    ap.add_argument("--tokens", type=int, default=32, help="the most tokens of a reply")
+    ap.add_argument("--tokens", type=int, help="the most tokens of a reply (default 32; --idle: 8)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--compile", default="off", choices=("auto", "on", "off"),
                     help="the engine's compiled decode (default off: TTFT is the prompt's pass, which is eager "
                          "either way, and an eager engine starts in seconds)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the engine's CPU threads")
     ap.add_argument("--quick", action="store_true", help="3 conversations of 3 turns, 16 tokens a reply")
+    ap.add_argument("--idle", type=lambda v: [int(n) for n in v.split(",")], metavar="N[,N...]",
+                    help="measure N live idle sessions on a cluster instead (see above)")
+    ap.add_argument("--per-actor", type=lambda v: [int(n) for n in v.split(",")], default=[64], metavar="P[,P...]",
+                    help="--idle: [cluster] inferlets_per_actor of each run (default 64; 1: an actor process a "
+                         "session, at --small-n sessions)")
+    ap.add_argument("--small-n", type=int, default=32, help="--idle: N of the runs with inferlets_per_actor 1")
+    ap.add_argument("--burst", type=int, default=256, help="--idle: launches sent at once")
+    ap.add_argument("--sample", type=int, default=16, help="--idle: sessions whose parked and live turns are timed")
+    ap.add_argument("--model", default=None, help=f"--idle: the model (default dummy, whose cost is "
+                                                  f"negligible; e.g. {MODEL})")
+    ap.add_argument("--kv-memory-mb", type=int, default=1024, help="--idle: the engine's KV pool")
     add_output_options(ap, "Live sessions against stateless turns")
     args = ap.parse_args()
+    if args.idle:
+        if args.title == "Live sessions against stateless turns":
+            args.title = "Idle sessions on the cluster"
+        args.model = args.model or "dummy"
+        args.tokens = args.tokens or 8
+        return idle_main(args)
+    args.tokens = args.tokens or 32
     if args.quick:
         args.conversations, args.turns, args.tokens = 3, 3, 16
 
