@@ -36,16 +36,19 @@ def cluster(request):
         yield runtime, nodes, request.param
 
 
-def _hosts() -> dict[str, list[tuple]]:
-    """Every live inferlet host actor (Ray's named actors) -> the processes it runs."""
+def _hosts(nodes: dict[str, str] | None = None) -> dict[str, list[tuple]]:
+    """Every live inferlet host actor (Ray's named actors) -> the processes it runs; `nodes`, when
+    given, gets each actor's node."""
     hosts = {}
     for name in ray.util.list_named_actors():
         if name.startswith(INFERLET_PREFIX):
             try:
-                hosts[name] = [tuple(key) for key, _, _ in ray.get(ray.get_actor(name).whereabouts.remote(),
-                                                                     timeout=60)[1]]
+                node, runs = ray.get(ray.get_actor(name).whereabouts.remote(), timeout=60)
             except ray.exceptions.RayActorError:
                 continue
+            hosts[name] = [tuple(key) for key, _, _ in runs]
+            if nodes is not None:
+                nodes[name] = node
     return hosts
 
 
@@ -53,12 +56,15 @@ def _referenced(runtime: Runtime) -> int:
     return runtime.stats()["kv"]["referenced"]
 
 
-def test_processes_pack_into_host_actors_and_match_a_local_run(cluster, wants):
+def test_processes_pack_into_host_actors_near_their_engine_and_match_a_local_run(cluster, wants):
     runtime, _, per_actor = cluster
     processes = [runtime.launch(HOLDER, _input(i)) for i in range(PROCESSES)]
     ready(processes)                                          # all 64 live at once
-    hosts = _hosts()
+    nodes: dict[str, str] = {}
+    hosts = _hosts(nodes)
     used = [keys for keys in hosts.values() if keys]
+    engine_node = runtime.stats()["replicas"][0]["node"]
+    assert {nodes[name] for name, keys in hosts.items() if keys} == {engine_node}   # where its engine is
     assert sorted(k[1] for keys in used for k in keys) == sorted(p.name for p in processes)
     assert len(used) <= math.ceil(PROCESSES / per_actor)
     assert all(len(keys) <= per_actor for keys in used)

@@ -9,6 +9,7 @@ engine has loaded, which happens on another thread: `Runtime.local` in this proc
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -164,6 +165,12 @@ class Server:
         try:
             loop.run_until_complete(self._uvicorn.serve(sockets=[self._socket]))
         finally:
+            # what still reads a process (a WebSocket session's pump) ends with the loop, not as a
+            # task destroyed while pending
+            tasks = asyncio.all_tasks(loop)
+            for task in tasks:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
             loop.close()
 
     def _load(self) -> None:
