@@ -170,7 +170,8 @@ class Server:
             tasks = asyncio.all_tasks(loop)
             for task in tasks:
                 task.cancel()
-            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            if tasks:    # gather() of nothing asks for the thread's loop, which it has not set
+                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
             loop.close()
 
     def _load(self) -> None:
