@@ -12,10 +12,12 @@ import time
 
 import pytest
 
-from pie_actors import InferletError, Process, Runtime, Send
+from pie_actors import Done, InferletError, Process, Runtime, Send
+from pie_actors.client import Client
 from pie_actors.config import ConfigError, load
 from pie_actors.gpu.engine import Lane, PassRequest
 
+from serve_helpers import KEY, idle, start
 from tests.engine_helpers import make_engine
 
 SETTINGS = dict(dtype="float32", timeout_s=300, compile="off", park_after_s=0)
@@ -188,6 +190,30 @@ def test_a_parked_process_is_sent_to_and_killed_as_a_running_one(recomputing, re
         session.result()
     assert failed.value.kind == "cancelled"
     _settled(recomputing)
+
+
+def test_a_parked_process_on_pie_serve_is_attached_to_again(default_model_dir, reference):
+    """A client detaches from a session; parked meanwhile, its set is spilled; another connection
+    attaches to it and the next turn answers as before."""
+    with start(default_model_dir, api_keys=(KEY,), num_pages=SMALL, park_after_s=0) as server:
+        client = Client(server.url, KEY)
+        session = client.submit(SESSION, {"prompt": _prompt(2), "tokens": TOKENS})
+        session.send(_message(2, 0))
+        assert _reply(session) == reference[2][0]
+        _parked(server.runtime, 1)
+        session.detach()
+        client.close()
+        server.runtime.launch(HOG, {"tokens": (SMALL - 1) * 16}).result()
+        assert server.runtime.stats()["parked"]["spilled"] == 1
+        with Client(server.url, KEY) as client:
+            session = client.attach(session.id)
+            session.send(_message(2, 1))
+            assert _reply(session) == reference[2][1]
+            session.send(None)
+            assert isinstance(list(session.events())[-1], Done)
+        stats = idle(server)
+        assert stats["kv"]["referenced"] == stats["parked"]["sets"] == 0
+        assert stats["parked"]["restored_spilled"] == 1
 
 
 def test_a_set_forked_just_before_it_is_evicted_spills_what_its_fork_copies(default_model_dir):
