@@ -3,7 +3,8 @@ here: `park_after_s = 0`), and its working set is the first to leave a KV pool t
 spilled to host memory or kept as its tokens. Three times more live sessions than the pool holds
 each answer three turns, with the tokens of a run whose sessions never left the pool; the stats
 count the spills and restores, and every page returns. `Pipeline.park()` parks at once; a parked
-process is sent to and killed as a running one is."""
+process is sent to, attached to (pie serve) and killed as a running one is; a set forked just
+before it leaves the pool spills what its fork copies."""
 from __future__ import annotations
 
 import dataclasses
