@@ -425,8 +425,8 @@ class KVStore:
     def check(self) -> None:
         """Raise AssertionError describing the first accounting inconsistency found."""
         self._pool.check(Counter(page for s in self._seqs.values() for page in s.pages))
-        if self._evicted.keys() & self._seqs.keys():
-            raise AssertionError(f"sequences both live and evicted: {sorted(self._evicted.keys() & self._seqs.keys())}")
+        if both := self._evicted.keys() & self._seqs.keys():
+            raise AssertionError(f"sequences both live and evicted: {sorted(both)}")
         ps = self.page_size
         for seq, s in self._seqs.items():
             if not 0 <= s.folded <= s.length <= len(s.pages) * ps:

@@ -65,9 +65,9 @@ that connects knows it from the launch: programs never reach the data plane them
 that names another owner than the handshake's is a BadRequest.
 
 Error types: Unauthorized (the handshake failed), BadFrame, BadRequest, UnknownSequence (never
-created, already freed, or another connection's), Evicted (a parked set that could not come back), PassError, OutOfPages, QuotaExceeded (the
-owner's kv_pages bound), InvalidSlot, KVStoreError, UnknownSaved, EpilogueError; anything else is
-the name of an unexpected engine exception.
+created, already freed, or another connection's), Evicted (a parked set that could not come back),
+PassError, OutOfPages, QuotaExceeded (the owner's kv_pages bound), InvalidSlot, KVStoreError,
+UnknownSaved, EpilogueError; anything else is the name of an unexpected engine exception.
 
 Tensors travel as msgpack extension type TENSOR_EXT: dtype char (struct format, e.g. "f"), ndim,
 ndim little-endian uint32 dims, then the little-endian elements; they decode to a `memoryview`
