@@ -23,7 +23,7 @@ measured one after the other, so a ratio in one run compares figures taken minut
             `--compile off` starts in seconds, on the eager engine). It runs in this process with its
             engine in a child process, as `pie serve --local` does; with `--one-process`, the engine
             in this process too; with `--cluster`, on a Ray cluster of its own, as `pie serve` does
-            by default: the engine in its actor, each request an inferlet actor
+            by default: the engine in its actor, each request a process on an inferlet host actor
   llamacpp  llama-cpp-python's server (`python -m llama_cpp.server`) on an F16 GGUF of the same
             weights (gguf_variants.py), as many threads as the engine. It runs one request at a
             time; it starts with `--interrupt_requests False` so that a new request waits instead of
@@ -420,7 +420,7 @@ def main() -> None:
         dtype = str(bench.engine.worker.dtype).removeprefix("torch.")
         compiled = "compiled decode" if bench.engine.worker.compiled is not None else "eager decode"
         usage = {s: bench.usage(s) for s in bench.servers if s in measured}
-        # warm-up: connections, the sandbox, the clients' process; on a cluster, each pooled actor's first run
+        # warm-up: connections, the sandbox, the clients' process; on a cluster, the host actors' first runs
         warm = max(levels) if args.cluster else 2
         for system in measured:
             bench.load(system, warm, warm, 1)
