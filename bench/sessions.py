@@ -44,16 +44,38 @@ against the reference, and a sample of them, one at a time, turn 3 (parked again
 
 Targets: <= 10 MB of host memory per idle session (KV aside); 1,000 sessions, each answering its
 next turn correctly; a burst of 256 launches done in <= 5 s.
+
+    python bench/sessions.py --kv-pressure 3 [--conversations 12] [--turns 6] [--tokens 24] [--active 2]
+                             [--park-after 0] [--spill-mb MB] [--out ...]
+
+`--kv-pressure X`: live sessions whose working sets outgrow the KV pool, on pie serve on a Ray cluster
+of its own. K conversations of T turns, user turns alternating with tool results (a short JSON
+value), through the stateless and session paths; the turns of a round go `--active` at a time, in
+order (the sets that work at once must fit in the pool: a pass finds no room otherwise). First the
+session path on a pool that holds everything: the reference replies, and the size of each working
+set at its final turn. Then a fresh server whose pool (`num_pages`) holds 1/X of those sets'
+pages together, stateless first, then session: a session parks once it waits (`--park-after`,
+[limits] park_after_s), so the turns of the others evict its set (to host memory within [engine]
+spill_memory_mb, else as its tokens) and its next turn brings it back; the stateless path finds in
+the prefix cache only the pages the other conversations did not push out. Per path: the turn
+table and summary above, the engine's parked evictions and restores by kind, the prompt tokens sent
+and found in the prefix cache, and its replies against the reference's.
+
+Target: from turn 2 on, stateless's median TTFT >= 2x the session path's.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
+import math
 import multiprocessing
 import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -63,15 +85,24 @@ from report import add_output_options, publish
 MODEL = "smollm2-135m-instruct"
 PATHS = ("stateless", "responses", "session")
 INSTRUCTIONS = "You are a concise assistant."
-TOPICS = ["France", "Japan", "Brazil", "Egypt", "Canada", "Norway", "India", "Peru"]
+TOPICS = ["France", "Japan", "Brazil", "Egypt", "Canada", "Norway", "India", "Peru",
+          "Italy", "Kenya", "Mexico", "Vietnam", "Chile", "Greece", "Morocco", "Iceland"]
 QUESTIONS = ["Tell me about {topic} in two sentences.", "What is its capital city?", "Name a famous dish from there.",
              "Which languages do people speak there?", "Thank you! Give me one more fun fact."]
+# --kv-pressure's tool turns: (tool, result), the result of a call the conversation's client made
+TOOL_RESULTS = [("weather", {"temperature_c": 21, "sky": "clear"}), ("clock", {"local_time": "14:05"}),
+                ("currency", {"per_euro": 1.7}), ("news", {"headline": "A new museum opens downtown"}),
+                ("flights", {"cheapest_eur": 420, "stops": 1})]
+
+# A turn's message: text (a user turn), or {"tool": name, "result": text} (a tool's result)
+Message = str | dict[str, str]
 
 # The session path's program: one conversation, kept alive between turns; each turn feeds what the
-# working set lacks (the end of the last reply, the user turn, the cue), streams each token's text,
-# then sends {"computed": the fed tokens not found in the prefix cache, "reply": text}.
+# working set lacks (the end of the last reply, the user turn or tool result, the cue), streams each
+# token's text, then sends {"fed": its prompt tokens, "computed": those not found in the prefix cache,
+# "held": the working set's tokens, "reply": text}.
 SESSION = """
-from inferlet import chat, model, session
+from inferlet import chat, model, session, tools
 from inferlet.eta import ForwardPass, Pipeline, StateGeometry, WorkingSet, intrinsics, reduce_argmax
 
 
@@ -82,7 +113,8 @@ async def main(input):
         text = await session.receive()
         if not text:
             break
-        feed = pending + chat.user(text) + chat.cue_without_thinking()
+        turn = chat.user(text) if isinstance(text, str) else tools.answer(text["tool"], text["result"])
+        feed = pending + turn + chat.cue_without_thinking()
         fed, cached, reply, sent = len(feed), ws.cached_tokens(), [], ""
         for _ in range(input["max_tokens"]):
             fwd = ForwardPass()
@@ -101,7 +133,8 @@ async def main(input):
                 sent = shown
             feed = [token]
         pending = feed + chat.seal()
-        session.send({"computed": fed - (ws.cached_tokens() - cached), "reply": model.decode(reply)})
+        session.send({"fed": fed, "computed": fed - (ws.cached_tokens() - cached), "held": ws.folded(),
+                      "reply": model.decode(reply)})
     pipe.close()
     return {}
 """
@@ -112,17 +145,32 @@ class Turn:
     ttft: float        # seconds from sending the turn to its first text
     computed: int      # prompt tokens the engine computed for it
     reply: str
+    sent: int          # prompt tokens sent (stateless: the whole transcript; live paths: the new ones)
+    held: int = 0      # session: its working set's tokens after the turn
 
 
 def conversation(k: int, turns: int) -> list[str]:
     return [q.format(topic=TOPICS[k % len(TOPICS)]) for q in QUESTIONS[:turns]]
 
 
+def tool_conversation(k: int, turns: int) -> list[Message]:
+    """User turns of `conversation` alternating with tool results: user, tool, user, tool..."""
+    questions = conversation(k, (turns + 1) // 2)
+    results = [{"tool": tool, "result": json.dumps({"place": TOPICS[k % len(TOPICS)], **result})}
+               for tool, result in TOOL_RESULTS]
+    return [questions[t // 2] if t % 2 == 0 else results[t // 2] for t in range(turns)]
+
+
 # ---- the paths (in the clients' process) -------------------------------------------------------------
 
-async def _stateless(client, questions: list[str], max_tokens: int, turn: int, state: dict) -> Turn:
+async def _stateless(client, questions: list[Message], max_tokens: int, turn: int, state: dict) -> Turn:
     messages = state.setdefault("messages", [{"role": "system", "content": INSTRUCTIONS}])
-    messages.append({"role": "user", "content": questions[turn]})
+    message = questions[turn]
+    if isinstance(message, str):
+        messages.append({"role": "user", "content": message})
+    else:   # the endpoint names the tool by "name" (the reply before it called none: no call id to match)
+        messages.append({"role": "tool", "name": message["tool"], "tool_call_id": f"call_{turn}",
+                         "content": message["result"]})
     t0, first, parts, usage = time.perf_counter(), None, [], None
     stream = await client.chat.completions.create(model="default", messages=messages, max_tokens=max_tokens,
                                                   temperature=0, stream=True, stream_options={"include_usage": True})
@@ -134,7 +182,8 @@ async def _stateless(client, questions: list[str], max_tokens: int, turn: int, s
             parts.append(chunk.choices[0].delta.content)
     reply = "".join(parts)
     messages.append({"role": "assistant", "content": reply})
-    return Turn(first - t0, usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens, reply)
+    return Turn(first - t0, usage.prompt_tokens - usage.prompt_tokens_details.cached_tokens, reply,
+                usage.prompt_tokens)
 
 
 async def _responses(client, questions: list[str], max_tokens: int, turn: int, state: dict) -> Turn:
@@ -149,34 +198,35 @@ async def _responses(client, questions: list[str], max_tokens: int, turn: int, s
             final = event.response
     state["previous"] = final.id
     usage = final.usage
-    return Turn(first - t0, usage.input_tokens - usage.input_tokens_details.cached_tokens, final.output_text)
+    return Turn(first - t0, usage.input_tokens - usage.input_tokens_details.cached_tokens, final.output_text,
+                usage.input_tokens)
 
 
-def _session_turn(process, text: str) -> Turn:
-    import json
-
+def _session_turn(process, message: Message) -> Turn:
     from pie_actors import Send
 
     t0, first = time.perf_counter(), None
-    process.send(text)
+    process.send(message)
     for event in process.events(timeout=600):
         assert isinstance(event, Send), event
-        message = json.loads(event.text)
-        if "text" in message:
+        frame = json.loads(event.text)
+        if "text" in frame:
             first = first or time.perf_counter()
         else:
-            return Turn(first - t0, message["computed"], message["reply"])
+            return Turn(first - t0, frame["computed"], frame["reply"], frame["fed"], frame["held"])
     raise RuntimeError("the session ended")
 
 
-async def _session(client, questions: list[str], max_tokens: int, turn: int, state: dict) -> Turn:
+async def _session(client, questions: list[Message], max_tokens: int, turn: int, state: dict) -> Turn:
     if "process" not in state:
         state["process"] = client.submit(SESSION, {"system": INSTRUCTIONS, "max_tokens": max_tokens}, timeout=3600)
     return await asyncio.to_thread(_session_turn, state["process"], questions[turn])
 
 
-async def _drive(path: str, url: str, conversations: list[list[str]], max_tokens: int) -> list[list[Turn]]:
-    """Every conversation through `path`, turn t of all of them at once: turns[t][k]."""
+async def _drive(path: str, url: str, conversations: list[list[Message]], max_tokens: int,
+                 active: int | None) -> list[list[Turn]]:
+    """Every conversation through `path`, turn t of all of them at once (at most `active` at a time,
+    in order, when given): turns[t][k]."""
     if path == "session":
         from pie_actors.client import Client
         client = Client(url)
@@ -186,9 +236,15 @@ async def _drive(path: str, url: str, conversations: list[list[str]], max_tokens
     step = {"stateless": _stateless, "responses": _responses, "session": _session}[path]
     states = [{} for _ in conversations]
     turns = []
+    gate = asyncio.Semaphore(active or len(conversations))     # FIFO: the conversations take turns in order
+
+    async def gated(questions: list[Message], t: int, state: dict) -> Turn:
+        async with gate:
+            return await step(client, questions, max_tokens, t, state)
+
     try:
         for t in range(len(conversations[0])):
-            turns.append(await asyncio.gather(*(step(client, questions, max_tokens, t, state)
+            turns.append(await asyncio.gather(*(gated(questions, t, state)
                                                 for questions, state in zip(conversations, states))))
     finally:
         for state in states:
@@ -199,8 +255,9 @@ async def _drive(path: str, url: str, conversations: list[list[str]], max_tokens
     return turns
 
 
-def drive(path: str, url: str, conversations: list[list[str]], max_tokens: int) -> list[list[Turn]]:
-    return asyncio.run(_drive(path, url, conversations, max_tokens))
+def drive(path: str, url: str, conversations: list[list[Message]], max_tokens: int,
+          active: int | None = None) -> list[list[Turn]]:
+    return asyncio.run(_drive(path, url, conversations, max_tokens, active))
 
 
 # ---- the report ----------------------------------------------------------------------------------
@@ -231,6 +288,26 @@ def summary_table(results: dict[str, list[list[Turn]]], rows: dict[str, int]) ->
         verdict = "" if path == "stateless" else ("met" if ratio <= 0.5 else "not met")
         lines.append(f"| {path} | {_ms(later[path])} | {ratio:.2f}x | {verdict} | {computed} | {rows[path]} |")
     return "\n".join(lines)
+
+
+# ---- pie serve on a cluster ------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def cluster_server(model: str, **settings: Any) -> Iterator[Any]:
+    """pie serve on a Ray cluster of its own, as `pie serve` runs without --local: never one that
+    runs on this machine already, whose other work would show in the figures. It ends with it."""
+    import ray
+
+    from pie_actors.controller import NAMESPACE
+    from pie_actors.serve import Server
+
+    ray.init(address="local", include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,
+             logging_level="ERROR", configure_logging=False)
+    try:
+        with Server(model, local=False, port=0, **settings) as server:
+            yield server
+    finally:
+        ray.shutdown()
 
 
 # ---- idle sessions on a cluster (--idle) ---------------------------------------------------------------
@@ -286,8 +363,6 @@ async def _launch(conn: _Conn, program: str, max_tokens: int) -> None:
 
 async def _idle_turn(conn: _Conn, text: str) -> tuple[float, str]:
     """(seconds to the reply's first message, the reply) of one turn."""
-    import json
-
     t0, first = time.perf_counter(), None
     await _request(conn, {"type": "send", "process": conn.process, "message": text})
     while True:
@@ -465,8 +540,6 @@ def pss_mb(pids: list[int]) -> float:
 
 def _kv_bytes_per_token(model: str, dtype_bytes: int) -> int:
     """K and V of one token over every layer, from the model's config.json."""
-    import json
-
     from pie_actors.model_store import resolve_model
 
     config = json.loads((resolve_model(model) / "config.json").read_text())
@@ -511,49 +584,43 @@ def idle_run(model: str, per_actor: int, n: int, burst: int, max_tokens: int, sa
     import ray
 
     from pie_actors.config import load
-    from pie_actors.controller import INFERLET_PREFIX, NAMESPACE
-    from pie_actors.serve import Server
+    from pie_actors.controller import INFERLET_PREFIX
 
-    # a cluster of its own, never one that runs on this machine already: the sum must be ours alone
-    ray.init(address="local", include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,
-             logging_level="ERROR", configure_logging=False)
-    session_name = ray._private.worker._global_node.session_name
     park_after = load(**settings).limits.park_after_s if _parking() else 0.0
-    try:
-        with Server(model, local=False, port=0, inferlets_per_actor=per_actor, **settings) as server:
-            clients = _ClientProcess(server.url, max_tokens)
-            try:
-                reference = clients("reference")
-                config = server.runtime.config.engine
-                kv_page = config.page_size * _kv_bytes_per_token(model, 4 if config.dtype == "float32" else 2)
+    with cluster_server(model, inferlets_per_actor=per_actor, **settings) as server:
+        session_name = ray._private.worker._global_node.session_name     # the PSS sum is over its processes
+        clients = _ClientProcess(server.url, max_tokens)
+        try:
+            reference = clients("reference")
+            config = server.runtime.config.engine
+            kv_page = config.page_size * _kv_bytes_per_token(model, 4 if config.dtype == "float32" else 2)
 
-                def held_pages() -> int:
-                    return server.runtime.stats()["kv"]["referenced"]
+            def held_pages() -> int:
+                return server.runtime.stats()["kv"]["referenced"]
 
-                time.sleep(2)
-                pages, before = held_pages(), pss_mb(server_processes(session_name, clients.process.pid))
-                waves = clients("launch", n, burst)
-                print(f"P={per_actor} N={n}: launched in {sum(waves):.2f} s", file=sys.stderr, flush=True)
-                t0 = time.perf_counter()
-                first = clients("turn", 0)
-                first_s = time.perf_counter() - t0
-                print(f"P={per_actor} N={n}: turn 1 answered by {sum(r is not None for r in first)} in "
-                      f"{first_s:.2f} s", file=sys.stderr, flush=True)
-                time.sleep(max(park_after + 1, 3))
-                pids = server_processes(session_name, clients.process.pid)
-                after, kv = pss_mb(pids), (held_pages() - pages) * kv_page / 2**20
-                stats = server.runtime.stats()
-                parked_sets = stats.get("parked", {}).get("sets", -1)
-                workers = sum(_cmdline(p).startswith("ray::") for p in pids)
-                actors = sum(name.startswith(INFERLET_PREFIX) for name in ray.util.list_named_actors())
-                second = clients("turn", 1)
-                time.sleep(park_after + 1)
-                chosen = list(range(min(sample, n)))
-                pairs = clients("pairs", chosen)
-            finally:
-                clients.close()
-    finally:
-        ray.shutdown()
+            time.sleep(2)
+            pages, before = held_pages(), pss_mb(server_processes(session_name, clients.process.pid))
+            waves = clients("launch", n, burst)
+            print(f"P={per_actor} N={n}: launched in {sum(waves):.2f} s", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            first = clients("turn", 0)
+            first_s = time.perf_counter() - t0
+            print(f"P={per_actor} N={n}: turn 1 answered by {sum(r is not None for r in first)} in "
+                  f"{first_s:.2f} s", file=sys.stderr, flush=True)
+            time.sleep(max(park_after + 1, 3))
+            pids = server_processes(session_name, clients.process.pid)
+            after, kv = pss_mb(pids), (held_pages() - pages) * kv_page / 2**20
+            stats = server.runtime.stats()
+            parked_sets = stats.get("parked", {}).get("sets", -1)
+            workers = sum(_cmdline(p).startswith("ray::") for p in pids)
+            actors = sum(name.startswith(INFERLET_PREFIX) for name in ray.util.list_named_actors())
+            second = clients("turn", 1)
+            time.sleep(park_after + 1)
+            chosen = list(range(min(sample, n)))
+            pairs = clients("pairs", chosen)
+        finally:
+            clients.close()
+
     def right(answer: tuple[float, str] | None, session: int, turn: int) -> bool:
         return answer is not None and answer[1] == reference[session % len(TOPICS)][turn]
 
@@ -634,6 +701,106 @@ def idle_main(args: Any) -> None:
     publish(env, f"{idle_table(rows, args.burst)}\n\n{targets}\n", args.out, args.title)
 
 
+# ---- sessions under KV pressure (--kv-pressure) --------------------------------------------------------
+
+MOVES = ("evicted_spilled", "evicted_tokens", "restored_spilled", "restored_recomputed")   # the engine's `parked`
+REFERENCE = "session, big pool"
+
+
+@dataclass
+class PressureRun:
+    """One path's conversations on one server, and what the engine did meanwhile."""
+    turns: list[list[Turn]]
+    rows: int                    # rows the engine ran (prompts, decode steps, restores' prefills)
+    moves: dict[str, int]        # parked working sets evicted and restored, by kind
+    pages: int                   # the KV pool
+    model_s: float               # the engine's time in the model's forward passes
+    batches: int
+
+
+def pressure_run(server: Any, path: str, clients: ProcessPoolExecutor, conversations: list[list[Message]],
+                 max_tokens: int, active: int) -> PressureRun:
+    before = server.runtime.stats()
+    turns = clients.submit(drive, path, server.url, conversations, max_tokens, active).result()
+    after = server.runtime.stats()
+    moves = {k: after["parked"][k] - before["parked"][k] for k in MOVES}
+    steps = {k: after["step_seconds"].get(k, 0) - before["step_seconds"].get(k, 0) for k in ("model", "steps")}
+    print(f"{path}: done, {moves}", file=sys.stderr, flush=True)
+    return PressureRun(turns, after["tokens_computed"] - before["tokens_computed"], moves, after["kv"]["total"],
+                       steps["model"], int(steps["steps"]))
+
+
+def pressure_table(runs: dict[str, PressureRun]) -> str:
+    lines = ["| path | KV pool pages | prompt tokens sent, turns 2+ | of them from the prefix cache | parked sets "
+             "evicted: to host memory / as tokens | restored: written back / recomputed | engine batches | engine s in the "
+             "model |", "|---|---|---|---|---|---|---|---|"]
+    for path, run in runs.items():
+        sent = sum(turn.sent for t in run.turns[1:] for turn in t)
+        cached = sent - sum(turn.computed for t in run.turns[1:] for turn in t)
+        m = run.moves
+        lines.append(f"| {path} | {run.pages} | {sent} | {cached} ({cached / sent:.0%}) | {m['evicted_spilled']} / "
+                     f"{m['evicted_tokens']} | {m['restored_spilled']} / {m['restored_recomputed']} | {run.batches} | "
+                     f"{run.model_s:.1f} |")
+    return "\n".join(lines)
+
+
+def pressure_main(args: Any) -> None:
+    """The session path on a pool that holds every working set (the reference: its replies, and the
+    sets' sizes at their final turn), then the stateless and session paths on a pool `args.kv_pressure`
+    times smaller than those sets together."""
+    from pie_actors.config import load
+
+    settings = dict(device="cpu", dtype=args.dtype, compile=args.compile, num_threads=args.threads,
+                    park_after_s=args.park_after)
+    if args.spill_mb is not None:
+        settings["spill_memory_mb"] = args.spill_mb
+    conversations = [tool_conversation(k, args.turns) for k in range(args.conversations)]
+    warm_up = [["Hello!"]]
+    runs: dict[str, PressureRun] = {}
+    clients = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    started = time.perf_counter()
+    with cluster_server(MODEL, **settings) as server:
+        clients.submit(drive, "session", server.url, warm_up, 4).result()     # the host actors' first runs
+        runs[REFERENCE] = pressure_run(server, "session", clients, conversations, args.tokens, args.active)
+        page_size = server.runtime.config.engine.page_size
+    sets = [math.ceil(turn.held / page_size) for turn in runs[REFERENCE].turns[-1]]
+    num_pages = math.ceil(sum(sets) / args.kv_pressure)
+    if args.active * max(sets) > num_pages:
+        raise SystemExit(f"{args.active} working sets of up to {max(sets)} pages at once do not fit in {num_pages} "
+                         "pages: fewer --active, more --conversations or less --kv-pressure")
+    print(f"working sets at their final turn: {sum(sets)} pages; the pool: {num_pages}", file=sys.stderr, flush=True)
+    with cluster_server(MODEL, num_pages=num_pages, **settings) as server:
+        for path in ("stateless", "session"):
+            clients.submit(drive, path, server.url, warm_up, 4).result()
+        load_before = os.getloadavg()[0]
+        for path in ("stateless", "session"):
+            runs[path] = pressure_run(server, path, clients, conversations, args.tokens, args.active)
+    clients.shutdown()
+
+    runs = {p: runs[p] for p in ("stateless", "session", REFERENCE)}
+    results = {p: run.turns for p, run in runs.items()}
+    replies = {p: [turn.reply for t in turns for turn in t] for p, turns in results.items()}
+    same = {p: sum(a == b for a, b in zip(replies[REFERENCE], replies[p])) for p in ("session", "stateless")}
+    later = {p: statistics.median(turn.ttft for t in turns[1:] for turn in t) for p, turns in results.items()}
+    ratio = later["stateless"] / later["session"]
+    total = args.conversations * args.turns
+    env = (f"SmolLM2-135M-Instruct, {args.dtype}, {'compiled' if args.compile != 'off' else 'eager'} engine, "
+           f"{args.threads} thread{'s' if args.threads > 1 else ''}; pie serve on a Ray cluster of its own; "
+           f"{args.conversations} conversations x {args.turns} turns a path (user turns alternating with tool "
+           f"results), at most {args.active} turns at once, in order; at most {args.tokens} tokens a reply, greedy; "
+           f"the sessions' working sets at their final turn: {sum(sets)} pages of {page_size} tokens "
+           f"(measured on the big pool), so the pool of {num_pages} pages holds 1/{args.kv_pressure:g} of them; "
+           f"park_after_s {args.park_after:g}, spill_memory_mb {load(**settings).engine.spill_memory_mb}; "
+           f"replies equal to the big pool's session replies: session {same['session']}/{total}, stateless "
+           f"{same['stateless']}/{total}; 1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} "
+           f"after; {time.perf_counter() - started:.0f} s in all")
+    verdict = "met" if ratio >= 2 else "not met"
+    report = (f"{turns_table(results)}\n\n{summary_table(results, {p: r.rows for p, r in runs.items()})}\n\n"
+              f"{pressure_table(runs)}\n\nstateless / session median TTFT, turns 2+: {ratio:.2f}x "
+              f"(target >= 2x: {verdict})\n")
+    publish(env, report, args.out, args.title)
+
+
 def _park_after(settings: dict[str, Any]) -> float:
     from pie_actors.config import load
 
@@ -642,10 +809,11 @@ def _park_after(settings: dict[str, Any]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--conversations", type=int, default=5, help="K: conversations a path, interleaved")
-    ap.add_argument("--turns", type=int, default=5, choices=range(2, len(QUESTIONS) + 1), metavar="T",
-                    help=f"T: turns a conversation (2-{len(QUESTIONS)})")
-    ap.add_argument("--tokens", type=int, help="the most tokens of a reply (default 32; --idle: 8)")
+    ap.add_argument("--conversations", type=int, help="K: conversations a path, interleaved (default 5; "
+                                                        "--kv-pressure: 12)")
+    ap.add_argument("--turns", type=int, metavar="T", help=f"T: turns a conversation (2-{len(QUESTIONS)}, default "
+                                                          f"5; --kv-pressure: 2-{2 * len(QUESTIONS)}, default 6)")
+    ap.add_argument("--tokens", type=int, help="the most tokens of a reply (default 32; --idle: 8; --kv-pressure: 24)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--compile", default="off", choices=("auto", "on", "off"),
                     help="the engine's compiled decode (default off: TTFT is the prompt's pass, which is eager "
@@ -663,8 +831,26 @@ def main() -> None:
     ap.add_argument("--model", default=None, help=f"--idle: the model (default dummy, whose cost is "
                                                   f"negligible; e.g. {MODEL})")
     ap.add_argument("--kv-memory-mb", type=int, default=1024, help="--idle: the engine's KV pool")
+    ap.add_argument("--kv-pressure", type=float, metavar="X",
+                    help="the stateless and session paths on a Ray cluster whose KV pool holds 1/X of the "
+                         "sessions' working sets at their final turn, user turns alternating with tool results")
+    ap.add_argument("--active", type=int, default=2, help="--kv-pressure: turns in flight at once (default 2)")
+    ap.add_argument("--park-after", type=float, default=0.0,
+                    help="--kv-pressure: [limits] park_after_s (default 0: a session parks once it waits)")
+    ap.add_argument("--spill-mb", type=int, help="--kv-pressure: [engine] spill_memory_mb (default: the config's)")
     add_output_options(ap, "Live sessions against stateless turns")
     args = ap.parse_args()
+    if args.kv_pressure:
+        if args.title == "Live sessions against stateless turns":
+            args.title = "Sessions under KV pressure"
+        args.conversations, args.turns = args.conversations or 12, args.turns or 6
+        args.tokens = args.tokens or 24
+        if not 2 <= args.turns <= 2 * len(QUESTIONS):
+            ap.error(f"--turns: 2-{2 * len(QUESTIONS)} with --kv-pressure")
+        return pressure_main(args)
+    args.conversations, args.turns = args.conversations or 5, args.turns or 5
+    if not 2 <= args.turns <= len(QUESTIONS):
+        ap.error(f"--turns: 2-{len(QUESTIONS)}")
     if args.idle:
         if args.title == "Live sessions against stateless turns":
             args.title = "Idle sessions on the cluster"
@@ -697,7 +883,7 @@ def main() -> None:
     replies = {p: [turn.reply for t in turns for turn in t] for p, turns in results.items()}
     same = {p: sum(a == b for a, b in zip(replies["stateless"], replies[p])) for p in PATHS[1:]}
     total = args.conversations * args.turns
-    env = (f"SmolLM2-135M-Instruct, {dtype}, {'compiled' if args.compile != 'off' else 'eager'} engine, "
+    env = (f"SmolLM2-135M-Instruct, {args.dtype}, {'compiled' if args.compile != 'off' else 'eager'} engine, "
            f"{args.threads} thread{'s' if args.threads > 1 else ''}; {args.conversations} conversations x "
            f"{args.turns} turns a path, interleaved; at most {args.tokens} tokens a reply, greedy; replies equal "
            f"to stateless's: {', '.join(f'{p} {n}/{total}' for p, n in same.items())}; 1-min load average "
