@@ -62,6 +62,16 @@ class _Host:
     empty_since: float = 0.0                    # time.monotonic() when its last process ended
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where the Controller put a launch: its process `name`, the host `actor` that runs it, and its
+    `engine` (an address, or a FirstPassChoice that its first pass makes)."""
+
+    name: str
+    actor: Any
+    engine: EngineAddress | FirstPassChoice
+
+
 @dataclass
 class _Process:
     host: _Host
@@ -175,16 +185,15 @@ class Controller:
 
     # ---- processes ---------------------------------------------------------------------------
 
-    def launch(self, launch: Launch, model: str, prefix: list[int] | None = None) -> dict[str, Any]:
-        """Place `launch`, a process of `model` (whose engine `engine` started): {"name": its name
-        (`launch.name`, or one made up), "actor": the inferlet host actor it runs on (one with room
-        on `launch.node`, else on a node of the model's engines), "engine": the address of the
-        replica it uses (on the actor's node, else the one caching most of `prefix`, the first
-        pass's tokens, else the least loaded), or, when no replica runs on the actor's node and
-        `prefix` is not given, a FirstPassChoice: the process's first pass asks `choose` with its
-        tokens}. The caller runs `actor.run.remote(<the named launch>, <that engine>, <this
-        actor>)`. An engine that died and did not come back is an EngineGone; no room for the
-        process is a ClusterFull."""
+    def launch(self, launch: Launch, model: str, prefix: list[int] | None = None) -> Placement:
+        """Place `launch`, a process of `model` (whose engine `engine` started): its name
+        (`launch.name`, or one made up), the inferlet host actor it runs on (one with room on
+        `launch.node`, else on a node of the model's engines), and the address of the replica it
+        uses (on the actor's node, else the one caching most of `prefix`, the first pass's tokens,
+        else the least loaded), or, when no replica runs on the actor's node and `prefix` is not
+        given, a FirstPassChoice: the process's first pass asks `choose` with its tokens. The
+        caller runs `actor.run.remote(<the named launch>, <that engine>, <this actor>)`. An engine
+        that died and did not come back is an EngineGone; no room for the process is a ClusterFull."""
         owner, name = launch.owner, launch.name
         if name is not None and (owner, name) in self.processes:
             raise ValueError(f"a process named {name!r} is already running")
@@ -204,7 +213,7 @@ class Controller:
         host.processes.add((owner, name))
         self.processes[owner, name] = _Process(host, model)
         self._keep_spare()
-        return {"name": name, "actor": host.actor, "engine": engine}
+        return Placement(name, host.actor, engine)
 
     def choose(self, model: str, node: str | None, prefix: list[int] | None, owner: str | None) -> EngineAddress:
         """The address of the replica of `model` for a process of `owner` on `node` whose first

@@ -320,7 +320,7 @@ class _Cluster:
             if isinstance(e.cause, (EngineGone, controller.ClusterFull)):
                 raise type(e.cause)(str(e.cause)) from None
             raise
-        return dataclasses.replace(launch, name=placed["name"]), placed["actor"], placed["engine"]
+        return dataclasses.replace(launch, name=placed.name), placed.actor, placed.engine
 
     def _run(self, process: Process, launch: Launch, actor: Any, engine: Any) -> None:
         stream = actor.run.remote(launch, engine, self.controller)

@@ -10,6 +10,7 @@ from pie_actors import Runtime
 from pie_actors.config import RunLimits
 from pie_actors.inferlet.run import Run
 from pie_actors.inferlet.run_state import EngineChoice
+from pie_actors.launch import Launch
 from pie_actors.process import Done, Failed
 from pie_actors.program import Program
 from tests.cluster_helpers import FED, GREEDY
@@ -55,7 +56,7 @@ def _run(runtime: Runtime, source: str, input: Any) -> tuple[Any, list]:
 
     events: list = []
     choice = EngineChoice(runtime._backend.server.info, choose)
-    Run(Program.load(source), input, choice, RunLimits(timeout_s=120), events.append).run()
+    Run(Launch(Program.load(source), input, limits=RunLimits(timeout_s=120)), choice, events.append).run()
     return events[-1], chosen
 
 
