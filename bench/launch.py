@@ -32,7 +32,7 @@ WARM, COLD = "into free room (Runtime.connect launch)", "new actor per launch"
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--launches", type=int, default=8)
-    add_output_options(ap, "Inferlet launch: warm pool vs new actor")
+    add_output_options(ap, "Inferlet launch: into a running host actor vs a new actor")
     args = ap.parse_args()
     load_before = os.getloadavg()[0]
     ray.init(address="local", num_cpus=os.cpu_count(), namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
