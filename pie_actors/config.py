@@ -236,7 +236,8 @@ class ClusterConfig:
     share. The Controller's settings are those of the runtime that started it."""
 
     inferlets_per_actor: int = _doc("processes one inferlet host actor runs at once (1: an actor process "
-                                    "each, as a crash boundary)", default=64)
+                                    "each, as a crash boundary; 128 from the memory and latency measured in "
+                                    'bench/RESULTS.md, "Idle sessions on the cluster")', default=128)
     spare_actors: int = _doc("host actors' worth of free room the Controller keeps started ahead of "
                              "launches, so that a burst does not wait for new actor processes", default=1)
     actors_per_node: int = _doc("the most inferlet host actors one node runs: a launch that finds them "
