@@ -39,20 +39,18 @@ class Comm:
 
 def join_group(rank: int, world_size: int, init_method: str, device: torch.device) -> Comm:
     """This rank's collectives: NCCL through cupy on CUDA (CupyNcclComm), gloo on the CPU."""
-    cls = CupyNcclComm if device.type == "cuda" else TorchDistComm
-    return cls(rank, world_size, init_method, device)
+    if device.type == "cuda":
+        return CupyNcclComm(rank, world_size, init_method, device)
+    return TorchDistComm(rank, world_size, init_method)
 
 
 class TorchDistComm(Comm):
-    """torch.distributed: gloo on CPU (torch's NCCL on CUDA; `join_group` picks cupy's there)."""
+    """torch.distributed over gloo: every collective of CPU ranks, and the batch plans of all ranks."""
 
-    def __init__(self, rank: int, world_size: int, init_method: str, device: torch.device):
+    def __init__(self, rank: int, world_size: int, init_method: str):
         self.rank, self.world_size = rank, world_size
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=120))
-        # Objects (batch plans) always travel over gloo on the CPU, tensors over the device backend.
-        self._cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x)
@@ -65,7 +63,7 @@ class TorchDistComm(Comm):
 
     def broadcast_object(self, obj: Any = None) -> Any:
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self._cpu_group)
+        dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def close(self) -> None:
@@ -83,7 +81,7 @@ class CupyNcclComm(TorchDistComm):
         except ImportError as e:
             raise RuntimeError(f"tensor parallelism on CUDA uses cupy's NCCL: pip install cupy-cuda12x "
                                f"(or the build of your CUDA version) ({e})") from None
-        super().__init__(rank, world_size, init_method, torch.device("cpu"))    # the gloo group
+        super().__init__(rank, world_size, init_method)    # the gloo group
         self._nccl = nccl
         uid = self.broadcast_object(nccl.get_unique_id() if rank == 0 else None)
         torch.cuda.set_device(device)
