@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -60,6 +61,16 @@ EPOCH_PERIOD_S = 0.05       # epoch ticker period: deadlines are honored to abou
 MAIN_FILE = "main.py"       # the filename of a main module given as source
 CODES_KEPT = 64             # main modules whose compiled code a Sandbox keeps (least recently run go),
 CODES_KEPT_CHARS = 32 << 20 # and the most characters of source and code they may hold together
+START_WAIT_S = 2.0          # the longest a run waits for a start slot (_STARTS) before it starts anyway
+
+# Runs in their start (instantiation, the runner's and the program's imports, up to the first
+# wait on the host) at once in this process, a few a core: wasm runs outside the interpreter lock,
+# so a burst of a hundred starts would share the cores a hundred ways and starve the event loop
+# that answers their engine connections' handshakes (1,000 sessions launched at once on 2 cores:
+# bench/RESULTS.md, "Idle sessions on the cluster"). A start that has not reached its loop within
+# START_WAIT_S lets the next one go, so a program that computes before it first waits delays its
+# neighbours by that at most.
+_STARTS = threading.BoundedSemaphore(4 * (os.cpu_count() or 1))
 
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
@@ -383,6 +394,13 @@ class _Run:
         # runner's, made before any of the inferlet's code runs (wit: `compiled`).
         self.code_wanted = False
         self.code: str | None = None
+        self.start_slot = False                   # it holds one of _STARTS
+
+    def started(self) -> None:
+        """The run reached its loop (or ended): its start slot goes to the next run."""
+        if self.start_slot:
+            self.start_slot = False
+            _STARTS.release()
 
     def output(self, stream: str, data: bytes) -> None:
         if stream == "stderr":
@@ -414,6 +432,7 @@ def _call(run: _Run, op: str, args: str):
 def _poll(run: _Run, ids: str) -> str:
     if run.api.cancelled is not None:
         raise _Deadline()
+    run.started()
     run.api.on_loop_turn(False)
     return _dumps({str(k): v for k, v in run.api.futures.poll(json.loads(ids)).items()})
 
@@ -423,6 +442,7 @@ def _wait_any(run: _Run, ids: str, timeout_ms: int) -> str:
     if left <= 0 or run.api.cancelled is not None:
         raise _Deadline()
     wait = left if timeout_ms == NO_TIMEOUT_MS else min(left, timeout_ms / 1000)
+    run.started()
     ids = json.loads(ids)
     done = run.api.futures.poll(ids)
     run.api.on_loop_turn(not done)
@@ -568,6 +588,7 @@ class Sandbox:
         run = _Run(api, limits)
         error: InferletError | None = None
         store = None
+        run.start_slot = _STARTS.acquire(timeout=START_WAIT_S)
         self._ticker.acquire()
         self._tls.run = run
         try:
@@ -627,6 +648,7 @@ class Sandbox:
             error = InferletError("trap", f"host failure: {type(e).__name__}: {e}")
             raise
         finally:
+            run.started()
             self._tls.run = None
             self._ticker.release()
             del store  # the instance and its memory go with the store
