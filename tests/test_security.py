@@ -89,7 +89,9 @@ def test_a_connection_that_does_not_prove_the_secret_is_refused_before_any_reque
             before = await decode(bystander, PROMPT, 3)
             stats = server.stats()
             pass_body = request_body("pass", lanes=[{"seq": 0, "tokens": PROMPT}], epilogue=wire.ARGMAX)
-            nonce = raw_frames(address, None)[0]["hello"]               # silent: refused at the timeout
+            silent = raw_frames(address, None)                           # refused at the timeout, which it names
+            assert "did not answer the hello within 0.5 s" in refusal(silent)["error"]["message"]
+            nonce = silent[0]["hello"]
             attempts = [
                 await asyncio.to_thread(raw_frames, address, pass_body),  # requests at once, no handshake
                 await asyncio.to_thread(raw_frames, address, msgpack.packb({"auth": address.secret})),  # in clear

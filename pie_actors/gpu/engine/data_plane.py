@@ -162,6 +162,7 @@ class EngineServer:
                 "step_seconds": dict(self.engine.step_seconds),
                 "hold": self.engine.scheduler.arrivals.stats(),
                 "programs": {"compiled": programs.misses, "cache_hits": programs.hits},
+                "compile": self.engine.compile_progress(),
                 "channels": len(self.engine.channels), "requests": self.requests,
                 "connections": len(self._connections), "refused": self.refused,
                 "sequences": sum(len(c.owned) for c in list(self._connections))}
@@ -191,10 +192,13 @@ class EngineServer:
         does not."""
         nonce = secrets.token_bytes(wire.NONCE_BYTES)
         writer.write(wire.pack({"hello": nonce}))
+        why = "the connection did not prove the engine's secret: the handshake answers the hello with its HMAC"
         try:
             body = await asyncio.wait_for(wire.read_frame(reader, wire.MAX_AUTH_FRAME), HANDSHAKE_TIMEOUT_S)
             answer = wire.unpack(body)
-        except Exception:                       # gone, too slow, too large, not msgpack: no proof
+        except TimeoutError:
+            answer, why = None, f"the connection did not answer the hello within {HANDSHAKE_TIMEOUT_S:g} s"
+        except Exception:                       # gone, too large, not msgpack: no proof
             answer = None
         if not isinstance(answer, dict):
             answer = {}
@@ -202,8 +206,7 @@ class EngineServer:
         if not wire.proves(self.secret, nonce, answer) or not (owner is None or isinstance(owner, str)) \
                 or type(pages) is not int or pages < 0 or type(starting) is not bool:
             self.refused += 1
-            writer.write(wire.pack(wire.error(None, "Unauthorized", "the connection did not prove the engine's "
-                                              "secret: the handshake answers the hello with its HMAC")))
+            writer.write(wire.pack(wire.error(None, "Unauthorized", why)))
             return None
         partition = partition_root(self.secret, owner)
         self.engine.limit_pages(partition, pages)
