@@ -13,7 +13,7 @@ engine (eta_ops.py).
 The host loop (`host_loop`) is one event-loop thread for all the runs of a process, started with
 the first, rather than one a run: a run's own loop thread woke twice a token and contended for the
 interpreter lock with the guests' and the engine's threads, where one thread reads the replies of
-many runs that arrive together in one wake-up (bench/RESULTS.md, "What did not help"). Nothing on
+many runs that arrive together in one wake-up (bench/RESULTS.md, "Speed edits kept"). Nothing on
 it may block. A run's tasks on it end with the run (`close`).
 
 Host time is not guest time: the sandbox's deadline stops guest code, not a host operation that
