@@ -151,10 +151,6 @@ class FutureTable:
         with self._cond:
             return fid in self._open
 
-    def open_count(self) -> int:
-        with self._cond:
-            return len(self._open)
-
     def _take(self, ids) -> dict[int, dict]:
         if not self._done:
             return {}
