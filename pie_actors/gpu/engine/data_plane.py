@@ -239,6 +239,8 @@ class EngineServer:
                         await writer.drain()
                     except ConnectionError:
                         return
+        except asyncio.CancelledError:
+            pass        # the server closes; a cancelled task makes Python 3.11's start_server print a traceback
         finally:
             conn.release()          # before it stops counting: no connection open means nothing of theirs is held
             self._connections.discard(conn)
