@@ -90,8 +90,8 @@ def run_ok(sandbox: Sandbox, source: str, input=None, api: FakeHost | None = Non
     return out, api
 
 
-def run_fail(sandbox: Sandbox, source: str, input=None, **kw) -> InferletError:
-    api = FakeHost()
+def run_fail(sandbox: Sandbox, source: str, input=None, api: FakeHost | None = None, **kw) -> InferletError:
+    api = api or FakeHost()
     with pytest.raises(InferletError) as info:
         sandbox.run(source, input if input is not None else {}, api, **kw)
     assert api.exited == [info.value]       # the host was told, so it can free the run's state
@@ -313,11 +313,8 @@ def test_a_bundles_main_module_is_compiled_once_on_the_runner(sandbox):
 
 def test_infinite_loop_times_out_then_next_run_works(sandbox):
     source = "async def main(input):\n    while True:\n        pass\n"
-    t0 = time.monotonic()
     err = run_fail(sandbox, source, limits=replace(LIMITS, timeout_s=1.0))
-    elapsed = time.monotonic() - t0
-    assert err.kind == "timeout", err
-    assert 1.0 <= elapsed < 2.0
+    assert err.kind == "timeout" and "deadline of 1 s passed" in str(err), err
     assert run_ok(sandbox, ROUND_TRIP, {"question": "q", "n": 1})[0]["n"] == 2
 
 
@@ -327,10 +324,10 @@ from inferlet import _host
 async def main(input):
     return await _host.call_async("sleep", {"ms": 60000})
 """
-    t0 = time.monotonic()
-    err = run_fail(sandbox, source, limits=replace(LIMITS, timeout_s=1.0))
-    assert err.kind == "timeout", err
-    assert time.monotonic() - t0 < 2.0
+    api = FakeHost()
+    err = run_fail(sandbox, source, api=api, limits=replace(LIMITS, timeout_s=1.0))
+    assert err.kind == "timeout" and "deadline of 1 s passed while waiting on the host" in str(err), err
+    assert api.resolved == []               # the run ended while the host's 60 s wait was still pending
 
 
 def test_unbounded_allocation_hits_memory_limit_then_next_run_works(sandbox):
