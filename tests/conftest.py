@@ -48,27 +48,6 @@ def pie_home_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return home
 
 
-# --- tiny Hugging Face folders --------------------------------------------------------------------
-
-TINY_HF = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-
-
-def save_tiny(family: str, folder: Path, **save_options) -> dict[str, torch.Tensor]:
-    """Save a small random transformers model as a Hugging Face folder; returns its state dict."""
-    import transformers
-
-    torch.manual_seed(0)
-    config_class, model_class = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-    }[family]
-    model = model_class(config_class(**TINY_HF, **({"head_dim": 16} if family == "qwen3" else {})))
-    model.save_pretrained(folder, **save_options)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 # --- tiny GGUF files ------------------------------------------------------------------------------
 
 def bytes_to_unicode() -> dict[int, str]:

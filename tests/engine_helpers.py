@@ -13,8 +13,9 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
             tie_word_embeddings=False)
 
 
-def save_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
-    """A randomly initialised Llama/Qwen2/Qwen3-shaped model written as a Hugging Face folder."""
+def save_tiny_model(family: str, folder: Path, seed: int = 0, **save_options) -> Path:
+    """A randomly initialised Llama/Qwen2/Qwen3-shaped model written as a Hugging Face folder
+    (`save_options`: save_pretrained's, max_shard_size say)."""
     import transformers
     torch.manual_seed(seed)
     if family == "qwen3":           # head_dim 64: a size the CPU attention kernel serves
@@ -29,8 +30,14 @@ def save_tiny_model(family: str, folder: Path, seed: int = 0) -> Path:
                 p.normal_(0, 0.5)
             elif "norm" in name:
                 p.uniform_(0.5, 1.5)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, **save_options)
     return folder
+
+
+def saved_state(folder: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a Hugging Face folder as transformers loads them: a loader's reference."""
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(folder).state_dict()
 
 
 def make_engine(model_dir: Path, *, num_pages: int = 256, dtype: str = "float32", **settings) -> Engine:

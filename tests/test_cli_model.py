@@ -15,7 +15,8 @@ from pie_actors.cli import main
 from pie_actors.gpu.model.loader import ModelLoadError, load_checkpoint
 from pie_actors.model_store import UnknownModel, import_model, list_models, resolve_model
 
-from conftest import save_tiny, write_tiny_gguf
+from conftest import write_tiny_gguf
+from tests.engine_helpers import save_tiny_model, saved_state
 
 BIN = Path(sys.executable).parent  # the venv's console scripts live next to its python
 
@@ -113,7 +114,7 @@ def test_failed_import_leaves_nothing_behind(pie_home_dir, tiny_gguf, monkeypatc
 
 def test_import_hf_folder(pie_home_dir, tmp_path, default_model_dir):
     src = tmp_path / "My-Qwen"
-    state = save_tiny("qwen2", src, max_shard_size="100KB")
+    state = saved_state(save_tiny_model("qwen2", src, max_shard_size="100KB"))
     (src / "pytorch_model.bin").write_bytes(b"not copied")
     with pytest.raises(ModelLoadError, match="tokenizer.json"):
         import_model(src, progress=False)

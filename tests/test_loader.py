@@ -12,7 +12,7 @@ import torch
 from pie_actors.gpu.model.loader import ModelLoadError, import_gguf, load_checkpoint
 from pie_actors.gpu.model.config import UnsupportedModel
 
-from conftest import save_tiny
+from tests.engine_helpers import save_tiny_model, saved_state
 
 
 def test_default_model_weights_equal_transformers_gguf_loader(default_model_dir, default_gguf, monkeypatch):
@@ -167,21 +167,21 @@ def test_unsupported_gguf_tokenizer_names_the_problem(tiny_gguf, tmp_path):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_hf_folder_loads_the_saved_tensors_and_config(tmp_path, family):
-    state = save_tiny(family, tmp_path)
+    state = saved_state(save_tiny_model(family, tmp_path))
     checkpoint = load_checkpoint(tmp_path)
     ours = dict(checkpoint.weights())
     assert ours.keys() == state.keys()
     for name, want in state.items():
         assert torch.equal(ours[name], want), name
     cfg = checkpoint.config
-    assert (cfg.architecture, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (family, 2, 4, 2, 16)
+    assert (cfg.architecture, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (family, 2, 4, 2, 64 if family == "qwen3" else 16)
     assert cfg.attention_bias == (family == "qwen2")
     assert cfg.qk_norm == (family == "qwen3")
     assert not cfg.tie_word_embeddings
 
 
 def test_sharded_hf_folder(tmp_path):
-    state = save_tiny("qwen2", tmp_path, max_shard_size="100KB")
+    state = saved_state(save_tiny_model("qwen2", tmp_path, max_shard_size="100KB"))
     checkpoint = load_checkpoint(tmp_path)
     assert len(checkpoint.files) > 1 and (tmp_path / "model.safetensors.index.json").is_file()
     ours = dict(checkpoint.weights())
@@ -199,7 +199,7 @@ def test_folder_errors(tmp_path):
     with pytest.raises(ModelLoadError, match="config.json"):
         load_checkpoint(tmp_path)
 
-    save_tiny("llama", tmp_path)
+    save_tiny_model("llama", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"],
                                                       "model_type": "gpt2"}))
