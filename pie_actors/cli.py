@@ -281,7 +281,7 @@ def _serve(args: argparse.Namespace) -> int:
                 "served_model_names": tuple(args.served_model_name) or None, "api_keys": tuple(args.api_key) or None}
     if args.one_process and not args.local:
         raise SystemExit("pie serve: --one-process goes with --local (on Ray the engine has its own actor)")
-    server = Server(args.model, local=args.local, engine_process=args.local and not args.one_process,
+    server = Server(args.model, local=args.local, engine_process=not args.one_process,
                     access_log=True, **settings).start()
     names = ", ".join(server.serving.names)
     print(f"pie serve: {server.url} (OpenAI {server.url}/v1, Anthropic and Gemini {server.url}); model "

@@ -51,7 +51,9 @@ class Runtime:
         (`dtype="float32"`, `timeout_s=60`, ...). `long_lived`: the runtime will serve for long (a
         server), so compile "auto" compiles its engine. `engine_process`: the engine runs in a
         child process instead (gpu/engine/engine_process.py), out of the programs' interpreter lock;
-        `engine` is then not available."""
+        `engine` is then not available. If that process dies, the runs on it fail with the reason,
+        another is started, launches wait for it (up to their timeout), and the programs that
+        called `runtime.declare_restartable()` run again on it."""
         config = load(model=model, **settings)
         return cls(_Local(config, long_lived, engine_process), config)
 
@@ -117,6 +119,12 @@ class Runtime:
         return self._backend.address
 
     @property
+    def engine_down(self) -> str | None:
+        """Why the engine does not serve now: its process died and another is starting
+        (Runtime.local with engine_process); None while it serves."""
+        return self._backend.engine_down if isinstance(self._backend, _Local) else None
+
+    @property
     def engine(self):
         """The in-process Engine (Runtime.local only), for tests and benchmarks that look inside."""
         if not isinstance(self._backend, _Local):
@@ -136,13 +144,15 @@ class _Local:
     def __init__(self, config: Config, long_lived: bool, engine_process: bool = False) -> None:
         from .gpu.engine.data_plane import serve_model
 
+        self.restarting = None       # the engine's child process, started again when it dies (engine_process)
         if engine_process:
-            from .gpu.engine.engine_process import EngineProcess
+            from .gpu.engine.engine_process import RestartingEngine
 
-            self.server = self.saved_sets = EngineProcess(config.engine, long_lived)
-            self.address, self.engine = self.server.address, None
+            self.server = self.saved_sets = self.restarting = RestartingEngine(config.engine, long_lived,
+                                                                               self._engine_died)
+            self.engine = None
         else:
-            self.server, self.address = serve_model(config.engine, long_lived=long_lived)
+            self.server, self._address = serve_model(config.engine, long_lived=long_lived)
             self.engine = self.saved_sets = self.server.engine
         self.model = config.engine.model
         if long_lived:
@@ -154,9 +164,20 @@ class _Local:
         self._lock = threading.Lock()
         self._numbers = itertools.count(1)
 
-    def launch(self, launch: Launch) -> Process:
-        from .inferlet.run import Run
+    @property
+    def address(self) -> EngineAddress:
+        return self._address if self.restarting is None else self.restarting.engine.address
 
+    def serving(self, timeout: float | None) -> EngineAddress:
+        """The address of the engine that serves, waiting up to `timeout` s for one started again."""
+        return self._address if self.restarting is None else self.restarting.serving(timeout).address
+
+    @property
+    def engine_down(self) -> str | None:
+        """Why no engine serves now: its process died, another is starting (None: one serves)."""
+        return None if self.restarting is None else self.restarting.down
+
+    def launch(self, launch: Launch) -> Process:
         if launch.node is not None:
             raise ValueError(f"node={launch.node!r}: Runtime.local runs everything in this process (placement "
                              "on a node needs a Ray cluster: Runtime.connect, pie run without --local)")
@@ -166,23 +187,66 @@ class _Local:
                 raise ValueError(f"a process named {name!r} is already running")
             while name is None or (owner, name) in self.runs:
                 name = f"inferlet-{next(self._numbers)}"
-            key = (owner, name)
-            self.runs[key] = None                   # taken; the Run comes next
+            self.runs[(owner, name)] = None           # taken; the Run comes next
         launch = dataclasses.replace(launch, name=name)
+        try:
+            return self._run(launch, self.serving(launch.limits.timeout_s))
+        except BaseException:
+            with self._lock:
+                self.runs.pop((owner, name), None)
+            raise
+
+    def _run(self, launch: Launch, address: EngineAddress, process: Process | None = None) -> Process:
+        """Run `launch` on the engine at `address`, as a new Process or as `process` again. A run
+        whose engine process died under it fails with that reason, or, restartable, runs again
+        (while its `restarts` allow) on the engine started after it."""
+        from .inferlet.run import Run
+
+        key, peers = launch.key, _LocalPeers(self, launch.owner, launch.name)
 
         def emit(event: Any) -> None:
+            if isinstance(event, Failed) and (died := self._died(address)) is not None:
+                event = Failed("trap", died, tokens=event.tokens)
+                if peers.restartable and launch.limits.restarts > 0:
+                    if (event := self._again(process, launch, event)) is None:
+                        return
             if isinstance(event, (Done, Failed)):
                 with self._lock:
                     self.runs.pop(key, None)
                     self.endings.note(key, ending(event))
             process.emit(event)
 
-        run = Run(launch, self.address, emit, _LocalPeers(self, owner, name))
-        process = Process(name, run)
+        run = Run(launch, address, emit, peers)
+        if process is None:
+            process = Process(launch.name, run)
+        else:
+            process.relaunched(run)
         with self._lock:
             self.runs[key] = run
         run.start()
         return process
+
+    def _again(self, process: Process, launch: Launch, failed: Failed) -> Failed | None:
+        """Run a restartable process again once an engine serves: None once it started again,
+        else `failed`, saying why not."""
+        limits = dataclasses.replace(launch.limits, restarts=launch.limits.restarts - 1)
+        try:
+            self._run(dataclasses.replace(launch, limits=limits), self.serving(limits.timeout_s), process)
+            return None
+        except Exception as e:
+            return dataclasses.replace(failed, message=f"{failed.message} (not restarted: {type(e).__name__}: {e})")
+
+    def _died(self, address: EngineAddress) -> str | None:
+        """Why the engine at `address` died, if it has (None: it serves, or is this process's)."""
+        return None if self.restarting is None else self.restarting.died(address)
+
+    def _engine_died(self, reason: str, address: EngineAddress) -> None:
+        """The engine's process died: the runs on it end now, with the reason (their pending
+        replies fail with the connection, but a wait on streamed outputs would not end)."""
+        with self._lock:
+            runs = [r for r in self.runs.values() if r is not None and r.engine_address == address]
+        for run in runs:
+            run.cancel(reason)
 
     def find(self, owner: str | None, name: str) -> Any:
         """The Run of `owner`'s running process `name`; UnknownProcess when there is none."""
@@ -224,6 +288,7 @@ class _LocalPeers:
 
     def __init__(self, local: _Local, owner: str | None, sender: str) -> None:
         self.local, self.owner, self.sender = local, owner, sender
+        self.restartable = False
 
     def deliver(self, name: str, message: Any, timeout: float) -> bool:
         return self.local.find(self.owner, name).deliver(message, self.sender)
@@ -237,7 +302,8 @@ class _LocalPeers:
         return self.local.running(self.owner)
 
     def declare_restartable(self) -> None:
-        """Nothing to do: what runs a local process is this process, lost only with its launcher."""
+        """Noted: the process runs again if the engine's process dies under it (engine_process)."""
+        self.restartable = True
 
 
 # ---- on a Ray cluster ----------------------------------------------------------------------------

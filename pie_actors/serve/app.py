@@ -30,6 +30,8 @@ async def health(serving: Serving, request: Request, body: None) -> Response:
         return JSONResponse({"status": "failed", "error": serving.loading_error}, status_code=503)
     if serving.endpoints is None:
         return JSONResponse({"status": "loading"}, status_code=503)
+    if (down := serving.runtime.engine_down) is not None:     # its process died; another is starting
+        return JSONResponse({"status": "restarting", "error": down}, status_code=503)
     return JSONResponse({"status": "ok", "model": serving.model})
 
 
