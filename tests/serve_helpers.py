@@ -1,13 +1,15 @@
-"""Shared by the pie serve tests: the references their answers are compared with (the engine's own
-greedy decoding of the same prompt, and its log-softmax from a direct pass), and waiting for the
+"""Shared by the pie serve tests: the references their answers are compared with (an in-process
+engine's greedy decoding of the same prompt, and its log-softmax from a direct pass), and waiting for the
 engine to be idle."""
 from __future__ import annotations
 
 import time
 from collections import Counter
+from typing import Any
 
 import torch
 
+from pie_actors import Runtime
 from pie_actors.gpu.engine import Lane, PassRequest
 from pie_actors.inferlet.chat_ops import chat_tokens
 from pie_actors.serve import Server
@@ -28,27 +30,42 @@ def start(model_dir, **settings) -> Server:
                                              **settings})
 
 
+_references: dict[Any, Runtime] = {}     # engine settings -> an in-process runtime for the references
+
+
+def reference_engine(server: Server):
+    """The engine the references come from: the server's own when it runs in this process, else
+    one loaded here with the same settings (a server's engine runs in a child process by default,
+    as `pie serve --local` runs it), kept for the session."""
+    if not server.engine_process:
+        return server.runtime.engine
+    key = server.config.engine
+    if key not in _references:
+        _references[key] = Runtime.local(**server.settings)
+    return _references[key].engine
+
+
 def chat_prompt(server: Server, messages: list[dict], **template) -> list[int]:
     """The token ids of `messages` rendered by the model's template, with the generation prompt."""
-    tok = server.runtime.engine.tokenizer
+    tok = reference_engine(server).tokenizer
     return tok.encode(tok.chat_template.render(messages, add_generation_prompt=True, **template))
 
 
 def greedy_tokens(server: Server, prompt: list[int], max_tokens: int) -> list[int]:
     """The engine's greedy decode of `prompt` alone, up to a stop token (not included)."""
-    engine = server.runtime.engine
+    engine = reference_engine(server)
     stops = set(chat_tokens(engine.tokenizer).stop_tokens())
     out = engine.generate([prompt], max_tokens, stop=stops)[0]
     return out[:-1] if out and out[-1] in stops else out
 
 
 def greedy_text(server: Server, prompt: list[int], max_tokens: int) -> str:
-    return server.runtime.engine.tokenizer.decode(greedy_tokens(server, prompt, max_tokens))
+    return reference_engine(server).tokenizer.decode(greedy_tokens(server, prompt, max_tokens))
 
 
 def log_softmax_rows(server: Server, tokens: list[int], rows: list[int]) -> torch.Tensor:
     """The model's log-softmax at `rows` of one direct pass over `tokens` [len(rows), vocab]."""
-    engine = server.runtime.engine
+    engine = reference_engine(server)
     seq = engine.create_sequence()
     try:
         future = engine.submit(PassRequest([Lane(seq, tokens, readout=rows)],

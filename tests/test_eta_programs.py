@@ -433,15 +433,14 @@ async def main(input):
 
 
 def test_dropped_working_sets_return_their_pages_and_fork_waits_for_submitted_passes(runtime):
-    import time
-
     engine = runtime.engine
     start = referenced(runtime)
     peaks = {}
     for loops in (1, 6):
         process = runtime.launch(DROP_AND_FORK, {"loops": loops})
+        # the drops' frees go out on the run's connection before the parent's pass, so they are done
+        # once that pass's token is back and the program says "ready"
         assert next(process.events(timeout=60)) == Send("ready")
-        time.sleep(0.2)                          # the last drop's free reaches the engine
         in_use = runtime.stats()["kv"]["referenced"] - start
         process.send("go")
         peaks[loops] = (in_use, process.result(60))

@@ -3,8 +3,6 @@ Controller or a whole node dies. What was running there fails clearly and within
 hangs; everything else finishes exactly; KV pages come back; what Ray restarts serves again."""
 from __future__ import annotations
 
-import time
-
 import pytest
 import ray
 
@@ -75,10 +73,9 @@ def test_a_killed_inferlet_actor_fails_its_process_and_returns_its_pages(cluster
     other = runtime.launch(GREEDY, {"prompt": [5, 6, 7], "n": 24}, node=nodes["a"])
     _first_sends(victim, 3)
     ray.kill(_actor_of(victim.name))
-    t0 = time.monotonic()
-    with pytest.raises(InferletError, match="actor") as failed:
+    with pytest.raises(InferletError, match="actor") as failed:     # within result's own deadline
         victim.result(timeout=30)
-    assert failed.value.kind == "trap" and time.monotonic() - t0 < 30
+    assert failed.value.kind == "trap"
     assert other.result(timeout=120) == want                           # its neighbour, exactly
     until(lambda: _referenced(engine) == start)                       # the dropped connection's pages
     until(lambda: victim.name not in [p["name"] for p in _status()["processes"]])

@@ -4,8 +4,8 @@
         client = OpenAI(base_url=server.url + "/v1", api_key="unused")
 
 The app listens at once (uvicorn with uvloop, on a thread of its own) and answers 503 until the
-engine has loaded, which happens on another thread: `Runtime.local` in this process, or
-`Runtime.connect` to the Ray cluster with `local=False`. Entering the context waits for the engine.
+engine has loaded, which happens on another thread: `Runtime.local` (its engine in a child process),
+or `Runtime.connect` to the Ray cluster with `local=False`. Entering the context waits for the engine.
 """
 from __future__ import annotations
 
@@ -54,11 +54,12 @@ class Server:
     (default: the configured one). `settings` override the config by name (host, port, api_keys,
     served_model_names, routes, idle_timeout_s, and the engine's and runs' settings: dtype,
     num_pages, timeout_s...); `port=0` picks a free port.
-    `local`: the engine in this process (else the Ray cluster at `address`, RAY_ADDRESS or here);
-    with `engine_process`, in a child process of its own (see Runtime.local)."""
+    `local`: no Ray: the engine in a child process of this one, started again if it dies (as
+    `pie serve --local` runs it; see Runtime.local), or in this process too with
+    `engine_process=False`; else the Ray cluster at `address`, RAY_ADDRESS or here."""
 
     def __init__(self, model: str | None = None, *, local: bool = True, address: str | None = None,
-                 access_log: bool = False, engine_process: bool = False, **settings: Any) -> None:
+                 access_log: bool = False, engine_process: bool = True, **settings: Any) -> None:
         self.settings = {"model": model, **{k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()}}
         self.config = load(**self.settings)
         self.local, self.address, self.access_log = local, address, access_log
