@@ -65,7 +65,10 @@ class EngineConfig:
                         "serve for long, pie serve's and the cluster's, compile on CUDA and on CPUs with AVX2 "
                         "or better; one-shot runs once their graphs are compiled on this machine). Each "
                         "batch-size bucket compiles once (minutes on a CPU) into a package under "
-                        "$PIE_HOME/cache/compiled that later starts load", default="auto")
+                        "$PIE_HOME/cache/compiled that later starts load. An engine that serves for long "
+                        "serves at once, eager, and compiles its buckets behind, one at a time, each "
+                        "running compiled once ready (/health and /metrics show how far); a one-shot "
+                        "engine compiles them before its first pass", default="auto")
     compile_max_batch: int = _doc("the largest decode batch (lanes) that runs compiled; larger ones run eager",
                                   default=64)
     num_threads: int = _doc("CPU threads for the model; 0: every core this process may use", default=0)

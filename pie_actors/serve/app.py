@@ -32,7 +32,8 @@ async def health(serving: Serving, request: Request, body: None) -> Response:
         return JSONResponse({"status": "loading"}, status_code=503)
     if (down := serving.runtime.engine_down) is not None:     # its process died; another is starting
         return JSONResponse({"status": "restarting", "error": down}, status_code=503)
-    return JSONResponse({"status": "ok", "model": serving.model})
+    # an engine serves while its decode buckets compile: how far they are (wire.Stats "compile")
+    return JSONResponse({"status": "ok", "model": serving.model, "compile": serving.runtime.stats()["compile"]})
 
 
 async def metrics(serving: Serving, request: Request, body: None) -> Response:
@@ -46,7 +47,8 @@ async def openapi_json(serving: Serving, request: Request, body: None) -> Respon
 
 API = openai_api.API
 SERVICE_ROUTES = [
-    Route("GET", "/health", API, health, "200 once the engine serves, 503 while it loads.", engine=False, public=True),
+    Route("GET", "/health", API, health, "200 once the engine serves (with its compiled decode buckets: ready, "
+          "total, compiling, failed), 503 while it loads.", engine=False, public=True),
     Route("GET", "/metrics", API, metrics, "Prometheus metrics: requests, tokens, TTFT/TPOT, KV pages, batches.",
           engine=False),
     Route("GET", "/openapi.json", API, openapi_json, "This document.", engine=False),

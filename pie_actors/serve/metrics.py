@@ -83,4 +83,12 @@ class Metrics:
                       "# TYPE pie_engine_batches_total counter"]
             lines += [f'pie_engine_batches_total{{lanes="{size}"}} {n}'
                       for size, n in sorted(stats.get("batch_sizes", {}).items())]
+            compile = stats.get("compile", {})
+            lines += ["# HELP pie_compiled_decode_buckets The engine's decode batch-size buckets: total, ready "
+                      "(running compiled), failed (running eager); the others run eager until compiled.",
+                      "# TYPE pie_compiled_decode_buckets gauge"]
+            lines += [f'pie_compiled_decode_buckets{{state="{state}"}} {compile.get(state, 0)}'
+                      for state in ("total", "ready", "failed")]
+            lines += ["# HELP pie_compiling_decode_bucket The batch size of the decode bucket compiling now; 0: none.",
+                      "# TYPE pie_compiling_decode_bucket gauge", f"pie_compiling_decode_bucket {compile.get('compiling', 0)}"]
         return "\n".join(lines) + "\n"

@@ -136,7 +136,10 @@ class Engine:
         packages = compiled_decode.package_dir(key) if _compiles(config, dev, long_lived, key) else None
         worker = Worker(model_dir, config, device=dev, dtype=dt, num_pages=num_pages, comm=comm,
                         packages=packages)
-        if worker.compiled is not None:
+        if worker.compiled is not None and long_lived:
+            worker.compiled.load_compiled()      # a tenth of a second a bucket (after inductor's imports)
+            worker.compiled.compile_behind(model_dir)
+        elif worker.compiled is not None:
             worker.compiled.warm_up(progress)
         return cls(worker, KVStore(num_pages, config.page_size, config.prefix_cache), config, tokenizer,
                    remote)
@@ -179,6 +182,11 @@ class Engine:
     def kv_stats(self) -> dict[str, int]:
         with self._lock:
             return self.kv.stats()
+
+    def compile_progress(self) -> compiled_decode.Progress:
+        """How far the compiled decode buckets are (all 0 on an eager engine)."""
+        compiled = self.worker.compiled
+        return compiled.progress() if compiled else {"ready": 0, "total": 0, "compiling": 0, "failed": 0}
 
     # ---- saved working sets (saved.py) -------------------------------------------------------
     def save(self, seq: int, name: str, owner: str | None) -> int:
@@ -430,6 +438,8 @@ class Engine:
             self.step()
 
     def close(self) -> None:
+        if self.worker.compiled:
+            self.worker.compiled.close()
         with self._lock:
             self._stopping = True
             self._lock.notify_all()

@@ -185,6 +185,8 @@ class Stats(TypedDict):
     sequences: int                # owned by open connections
     channels: int
     programs: dict[str, int]      # compiled, cache_hits
+    compile: dict[str, int]       # compiled decode buckets: ready, total, compiling (its batch
+                                  # size; 0: none), failed (compiled_decode.Progress)
 
 
 class FrameTooLarge(ValueError):

@@ -17,7 +17,7 @@ from ...config import EngineConfig
 from ..kernels import cpu_kernels, hugepages
 from ..kernels.attention import AttentionMetadata, LanePlan
 from ..kernels.compiled_decode import CompiledDecode
-from ..model import ModelConfig, build_model
+from ..model import LlamaModel, ModelConfig, build_model
 from ..model.adapters import AdapterUse
 from ..model.loader import load_checkpoint
 from ..model.tp import Comm, join_group
@@ -36,6 +36,20 @@ class BatchPlan:
     adapters: list[AdapterUse] = field(default_factory=list)      # (tensor-parallel size 1 only)
 
 
+def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype, comm: Comm | None = None) -> LlamaModel:
+    """The model in `model_dir` (this rank's shard of it), its weights loaded, for inference."""
+    ckpt = load_checkpoint(model_dir)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = build_model(ckpt.config, comm or Comm())
+    finally:
+        torch.set_default_dtype(previous)
+    model.load_weights(ckpt.weights())
+    return model.eval()
+
+
 def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype, tp: int = 1) -> int:
     return 2 * cfg.num_layers * page_size * (cfg.num_kv_heads // tp) * cfg.head_dim * dtype.itemsize
 
@@ -52,17 +66,8 @@ class Worker:
         self.comm = comm or Comm()
         self.device, self.dtype, self.page_size = device, dtype, config.page_size
         self.model_dir = Path(model_dir)
-        ckpt = load_checkpoint(model_dir)
-        self.cfg = ckpt.config
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                self.model = build_model(self.cfg, self.comm)
-        finally:
-            torch.set_default_dtype(previous)
-        self.model.load_weights(ckpt.weights())
-        self.model.eval()
+        self.model = load_model(model_dir, device, dtype, self.comm)
+        self.cfg = self.model.cfg
         use_hugepages = config.hugepages and device.type == "cpu"
         if use_hugepages:
             hugepages.advise(self.model.parameters())   # every decode step streams them all
@@ -91,7 +96,9 @@ class Worker:
             return torch.empty(0, self.cfg.vocab_size, device=self.device)
         if (self.compiled and not plan.adapters and self.compiled.accepts(plan.lanes)
                 and plan.readout == list(range(len(plan.lanes)))):
-            return self.compiled.run(plan.input_ids, plan.positions, plan.write_slots, plan.lanes)
+            logits = self.compiled.run(plan.input_ids, plan.positions, plan.write_slots, plan.lanes)
+            if logits is not None:          # else its bucket is still compiling: eager
+                return logits
         dev = self.device
         ids = torch.tensor(plan.input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(plan.positions, dtype=torch.long, device=dev)
