@@ -202,6 +202,10 @@ class ServeConfig:
     stored_responses: int = _doc("responses POST /v1/responses keeps (store: true) for GET and "
                                  "previous_response_id, over all keys; past it the oldest go, with their "
                                  "saved working sets", default=1000)
+    default_max_tokens: int = _doc("the most tokens a reply may have when its request gives no max_tokens "
+                                   "(chat completions, /v1/responses, Gemini; capped at the context's end; "
+                                   "text completions keep OpenAI's 16), so an unbounded request does not "
+                                   "hold the engine to the end of the context", default=1024)
 
     quotas: dict[str, dict[str, int]] = _doc(
         '[serve.quotas]: bounds per API key ("default": every key without its own entry; an entry takes '
@@ -224,7 +228,7 @@ class ServeConfig:
             raise ConfigError(f"serve.port must be a port number, got {self.port!r}")
         if not self.idle_timeout_s > 0:
             raise ConfigError(f"serve.idle_timeout_s must be positive, got {self.idle_timeout_s!r}")
-        _check_min(self, "serve", detached_buffer=0, stored_responses=1)
+        _check_min(self, "serve", detached_buffer=0, stored_responses=1, default_max_tokens=1)
         for key, bounds in self.quotas.items():
             if not isinstance(bounds, dict) or not all(
                     name in QUOTA_BOUNDS and type(n) is int and n >= 0 for name, n in bounds.items()):

@@ -1,12 +1,15 @@
 """Shared by the pie serve tests: the references their answers are compared with (an in-process
 engine's greedy decoding of the same prompt, and its log-softmax from a direct pass), and waiting for the
-engine to be idle."""
+engine to be idle; and the SDKs' own response models, which every body and stream event the tests
+receive must satisfy."""
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Iterable, Iterator, TypeVar
 
+import pydantic
 import torch
 
 from pie_actors import Runtime
@@ -89,3 +92,33 @@ def idle(server: Server, timeout: float = 120.0) -> dict:
 def batches_since(before: dict, after: dict, key: str = "batch_sizes") -> Counter:
     """Batches executed between two stats, by lanes."""
     return Counter({int(k): v for k, v in after[key].items()}) - Counter({int(k): v for k, v in before[key].items()})
+
+
+# ---- the SDKs' response models -----------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def checked(obj: T) -> T:
+    """`obj`, an object the openai or anthropic SDK returned, validated by its own model: those SDKs
+    build objects without checking them, so a field the API requires that the body lacks (or a
+    wrong type) would pass unseen; here it fails."""
+    type(obj).model_validate(obj.model_dump(mode="json", by_alias=True, exclude_unset=True, warnings=False))
+    return obj
+
+
+def checked_stream(stream: Iterable[T]) -> Iterator[T]:
+    """The events of an SDK stream, each `checked`; closing the iterator closes the stream."""
+    with stream:
+        for event in stream:
+            yield checked(event)
+
+
+def valid(model: Any, body: Any) -> Any:
+    """`body` (JSON) as `model` (an SDK's pydantic model or a union of them), which must accept it."""
+    return pydantic.TypeAdapter(model).validate_python(body)
+
+
+def sse_data(text: str) -> list[Any]:
+    """The JSON of each server-sent event in `text` (a [DONE] left out)."""
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]

@@ -10,7 +10,15 @@ import httpx
 import jsonschema
 import pytest
 
-from serve_helpers import ASK, KEY, WEATHER, chat_prompt, greedy_text, greedy_tokens, start
+from anthropic.types import Message, RawMessageStreamEvent
+from starlette.testclient import TestClient
+
+from pie_actors.serve.app import build_app
+from pie_actors.serve.metrics import Metrics
+from pie_actors.serve.routes import Serving
+from pie_actors.serve.sessions import Sessions
+from serve_helpers import (ASK, KEY, WEATHER, chat_prompt, checked, checked_stream, greedy_text, greedy_tokens,
+                           reference_engine, sse_data, start, valid)
 from tests.chat_families import thinking_model_dir
 
 TOOLS = [{"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}]
@@ -32,14 +40,16 @@ GREEDY = {"temperature": 0}        # the SDK has no temperature argument; the se
 
 
 def create(client, messages=ASK, **kw):
-    return client.messages.create(**{"model": "default", "max_tokens": 32, "messages": messages, "extra_body": GREEDY,
-                                     **kw})
+    """A message (its events, streamed), each checked by the SDK's own model."""
+    reply = client.messages.create(**{"model": "default", "max_tokens": 32, "messages": messages, "extra_body": GREEDY,
+                                      **kw})
+    return checked_stream(reply) if kw.get("stream") else checked(reply)
 
 
 def test_paris_streamed_and_not_with_the_full_event_order(server, client):
     prompt = chat_prompt(server, ASK)
     expected = greedy_tokens(server, prompt, 32)
-    text = server.runtime.engine.tokenizer.decode(expected)
+    text = reference_engine(server).tokenizer.decode(expected)
     message = create(client)
     assert "Paris" in text and [b.type for b in message.content] == ["text"] and message.content[0].text == text
     assert (message.stop_reason, message.usage.output_tokens) == ("end_turn", len(expected))
@@ -91,7 +101,7 @@ def test_tool_use_then_tool_result_then_the_answer(server, client):
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": result}]}]
     counted = client.messages.count_tokens(model="default", messages=history, tools=TOOLS)
     alone = client.messages.count_tokens(model="default", messages=WEATHER_ASK, tools=TOOLS)
-    assert counted.input_tokens > alone.input_tokens + len(server.runtime.engine.tokenizer.encode(result))
+    assert counted.input_tokens > alone.input_tokens + len(reference_engine(server).tokenizer.encode(result))
     answer = create(client, history, max_tokens=32, tools=TOOLS, tool_choice={"type": "none"})
     assert answer.stop_reason in ("end_turn", "max_tokens")
     assert [b.type for b in answer.content] == ["text"] and answer.content[0].text
@@ -159,7 +169,7 @@ def test_thinking_blocks_and_thinking_deltas_on_a_reasoning_template(thinking_se
     client = anthropic.Anthropic(base_url=thinking_server.url, api_key=KEY, max_retries=0)
     kw = {"max_tokens": 48, "thinking": {"type": "enabled", "budget_tokens": 1024}}
     reply = greedy_text(thinking_server, chat_prompt(thinking_server, ASK), 48)
-    assert thinking_server.runtime.engine.tokenizer.decode(chat_prompt(thinking_server, ASK)).endswith("<think>\n")
+    assert reference_engine(thinking_server).tokenizer.decode(chat_prompt(thinking_server, ASK)).endswith("<think>\n")
     message = create(client, **kw)
     assert message.content[0].type == "thinking" and message.content[0].thinking
     assert message.content[0].thinking.strip() == reply.split("</think>")[0].strip()
@@ -173,3 +183,74 @@ def test_thinking_blocks_and_thinking_deltas_on_a_reasoning_template(thinking_se
     texts = [b.text for b in message.content if b.type == "text"]
     assert "".join(d.text for d in deltas if d.type == "text_delta") == "".join(texts)
     assert events[-2].delta.stop_reason == message.stop_reason
+
+
+# ---- what Anthropic's API requires -------------------------------------------------------------
+
+HEADERS = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
+
+
+def test_raw_bodies_and_events_are_the_sdks_models(server):
+    body = {"model": "default", "max_tokens": 8, "messages": ASK, **GREEDY}
+    valid(Message, httpx.post(server.url + "/v1/messages", json=body, headers=HEADERS, timeout=120).json())
+    events = sse_data(httpx.post(server.url + "/v1/messages", json={**body, "stream": True}, headers=HEADERS,
+                                 timeout=120).text)
+    assert [valid(RawMessageStreamEvent, e).type for e in events if e["type"] != "ping"][-1] == "message_stop"
+
+
+def test_empty_content_and_a_max_tokens_past_the_context_are_refused(client):
+    for empty in ("", []):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            create(client, [{"role": "user", "content": empty}])
+        assert "messages.0.content" in refused.value.message
+    with pytest.raises(anthropic.BadRequestError) as huge:
+        create(client, max_tokens=10**9)
+    assert "max_tokens" in huge.value.message
+    prefill = [*ASK, {"role": "assistant", "content": ""}]         # an empty final assistant turn is fine
+    assert create(client, prefill, max_tokens=4).content
+
+
+def test_a_forced_call_cut_by_max_tokens_is_its_text(client):
+    """A tool_use block needs a valid input; a call cut off is returned as the text generated."""
+    whole = create(client, WEATHER_ASK, max_tokens=64, tools=TOOLS, tool_choice={"type": "any"})
+    use = next(b for b in whole.content if b.type == "tool_use")
+    cut = create(client, WEATHER_ASK, max_tokens=20, tools=TOOLS, tool_choice={"type": "any"})
+    assert cut.stop_reason == "max_tokens" and [b.type for b in cut.content] == ["text"]
+    assert '"get_weather"' in cut.content[0].text and use.name == "get_weather"
+    events = list(create(client, WEATHER_ASK, max_tokens=20, tools=TOOLS, tool_choice={"type": "any"}, stream=True))
+    text = "".join(e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta")
+    assert text == cut.content[0].text
+    assert next(e for e in events if e.type == "message_delta").delta.stop_reason == "max_tokens"
+
+
+def test_unknown_paths_wrong_methods_and_loading_in_anthropics_shape(server, default_model_dir):
+    for response, status, kind in ((httpx.post(server.url + "/v1/messages/nope", headers=HEADERS), 404,
+                                    "not_found_error"),
+                                   (httpx.get(server.url + "/v1/messages", headers=HEADERS), 405,
+                                    "invalid_request_error")):
+        assert response.status_code == status
+        assert response.json()["type"] == "error" and response.json()["error"]["type"] == kind
+    # an engine still loading: Anthropic's 529 overloaded_error, which its SDK retries
+    loading = Serving("smollm2", ("default",), Metrics(), Sessions(600, 16))
+    with TestClient(build_app(loading, ())) as app:
+        response = app.post("/v1/messages", json={"model": "default", "max_tokens": 4, "messages": ASK})
+    assert response.status_code == 529 and response.json()["error"]["type"] == "overloaded_error"
+
+
+def test_thinking_of_the_turn_in_progress_is_fed_back_and_earlier_thinking_is_not(thinking_server):
+    client = anthropic.Anthropic(base_url=thinking_server.url, api_key=KEY, max_retries=0)
+    thought = "The user wants the weather in Paris, so I call get_weather with the city Paris."
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "21 degrees"}
+
+    def count(thinking: bool, then: list) -> int:
+        turn = [{"type": "thinking", "thinking": thought, "signature": "s"}] * thinking + [use]
+        messages = [*WEATHER_ASK, {"role": "assistant", "content": turn}, *then]
+        return client.messages.count_tokens(model="default", messages=messages, tools=TOOLS).input_tokens
+
+    in_progress = [{"role": "user", "content": [result]}]
+    words = len(reference_engine(thinking_server).tokenizer.encode(thought))
+    assert count(True, in_progress) >= count(False, in_progress) + words
+    completed = [{"role": "user", "content": [result]}, {"role": "assistant", "content": "It is 21 degrees."},
+                 {"role": "user", "content": "And in Rome?"}]
+    assert count(True, completed) == count(False, completed)

@@ -12,7 +12,8 @@ import pytest
 from google import genai
 from google.genai import errors, types
 
-from serve_helpers import ASK, KEY, QUESTION, WEATHER, chat_prompt, greedy_tokens, start
+from serve_helpers import (ASK, KEY, QUESTION, WEATHER, chat_prompt, greedy_tokens, reference_engine, sse_data, start,
+                           valid)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def config(**kw) -> types.GenerateContentConfig:
 def test_generate_content_and_its_stream_are_the_engines_greedy_text(server, client):
     prompt = chat_prompt(server, ASK)
     expected = greedy_tokens(server, prompt, 32)
-    text = server.runtime.engine.tokenizer.decode(expected)
+    text = reference_engine(server).tokenizer.decode(expected)
     response = client.models.generate_content(model="default", contents=QUESTION, config=config())
     assert "Paris" in text and response.text == text
     assert response.candidates[0].finish_reason == types.FinishReason.STOP
@@ -50,7 +51,7 @@ def test_generate_content_and_its_stream_are_the_engines_greedy_text(server, cli
 def test_system_instruction_stop_sequences_and_top_k(server, client):
     system = "You are a concise assistant."
     prompt = chat_prompt(server, [{"role": "system", "content": system}] + ASK)
-    text = server.runtime.engine.tokenizer.decode(greedy_tokens(server, prompt, 32))
+    text = reference_engine(server).tokenizer.decode(greedy_tokens(server, prompt, 32))
     assert "Paris" in text
 
     def generate(**kw):
@@ -150,3 +151,47 @@ def test_errors_are_client_errors_in_geminis_shape(server, client):
         assert response.status_code == status
         error = response.json()["error"]
         assert (error["code"], error["status"]) == (status, kind) and error["message"]
+
+
+# ---- what Google's API does --------------------------------------------------------------------
+
+BODY = {"contents": [{"role": "user", "parts": [{"text": QUESTION}]}],
+        "generationConfig": {"temperature": 0, "maxOutputTokens": 8}}
+
+
+def test_stream_without_alt_sse_is_a_json_array_of_responses(server):
+    url, auth = server.url + "/v1beta/models/default:streamGenerateContent", {"x-goog-api-key": KEY}
+    array = httpx.post(url, json=BODY, headers=auth, timeout=120)
+    assert array.headers["content-type"].startswith("application/json")
+    items = [valid(types.GenerateContentResponse, item) for item in array.json()]
+    events = [valid(types.GenerateContentResponse, e)
+              for e in sse_data(httpx.post(url + "?alt=sse", json=BODY, headers=auth, timeout=120).text)]
+    assert len(items) == len(events) > 1
+    assert "".join(i.text or "" for i in items) == "".join(e.text or "" for e in events)
+    assert items[-1].candidates[0].finish_reason == types.FinishReason.MAX_TOKENS
+    refused = httpx.post(url, json={**BODY, "contents": [{"role": "user", "parts": [{"text": "hi " * 9000}]}]},
+                         headers=auth, timeout=120)
+    assert refused.status_code == 400 and refused.json()["error"]["status"] == "INVALID_ARGUMENT"
+
+
+def test_empty_parts_and_a_max_output_past_the_context_are_refused(server, client):
+    url, auth = server.url + "/v1beta/models/default:generateContent", {"x-goog-api-key": KEY}
+    for body in ({"contents": [{"role": "user", "parts": []}]},
+                 {**BODY, "generationConfig": {"maxOutputTokens": 10**6}}):
+        response = httpx.post(url, json=body, headers=auth, timeout=120)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["status"] == "INVALID_ARGUMENT"
+    with pytest.raises(errors.ClientError) as empty:
+        client.models.generate_content(model="default", contents=[types.Content(role="user", parts=[])],
+                                       config=config())
+    assert empty.value.code == 400
+
+
+def test_unknown_paths_in_geminis_shape(server):
+    auth = {"x-goog-api-key": KEY}
+    for response in (httpx.post(server.url + "/v1beta/models/default:nothing", headers=auth),
+                     httpx.get(server.url + "/v1beta/models/default:generateContent", headers=auth),
+                     httpx.get(server.url + "/v1beta/nothing", headers=auth)):
+        assert response.status_code == 404
+        error = response.json()["error"]
+        assert (error["code"], error["status"]) == (404, "NOT_FOUND") and error["message"]

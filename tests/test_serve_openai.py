@@ -14,15 +14,21 @@ import pytest
 import torch
 
 from pie_actors.inferlet.chat_ops import chat_tokens
-from serve_helpers import (ASK, KEY, QUESTION, WEATHER, batches_since, chat_prompt, greedy_text, greedy_tokens, idle,
-                           log_softmax_rows, start)
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.responses import Response, ResponseStreamEvent
+
+from pie_actors.config import ConfigError, load
+from serve_helpers import (ASK, KEY, QUESTION, WEATHER, batches_since, chat_prompt, checked, checked_stream,
+                           greedy_text, greedy_tokens, idle, log_softmax_rows, reference_engine, sse_data, start, valid)
 
 PAGE = 16
+DEFAULT_MAX_TOKENS = 40          # the server's bound for a request without max_tokens
 
 
 @pytest.fixture(scope="module")
 def server(default_model_dir):
-    with start(default_model_dir, api_keys=(KEY,)) as s:
+    with start(default_model_dir, api_keys=(KEY,), default_max_tokens=DEFAULT_MAX_TOKENS) as s:
         yield s
 
 
@@ -32,7 +38,9 @@ def client(server) -> openai.OpenAI:
 
 
 def chat(client, messages=ASK, **kw):
-    return client.chat.completions.create(**{"model": "default", "messages": messages, "temperature": 0, **kw})
+    """A chat completion (its chunks, streamed), each checked by the SDK's own model."""
+    reply = client.chat.completions.create(**{"model": "default", "messages": messages, "temperature": 0, **kw})
+    return checked_stream(reply) if kw.get("stream") else checked(reply)
 
 
 def streamed_text(chunks) -> str:
@@ -44,7 +52,7 @@ def streamed_text(chunks) -> str:
 def test_paris_streamed_and_not_are_the_engines_greedy_text(server, client):
     prompt = chat_prompt(server, ASK)
     expected = greedy_tokens(server, prompt, 32)
-    text = server.runtime.engine.tokenizer.decode(expected)
+    text = reference_engine(server).tokenizer.decode(expected)
     assert "Paris" in text
 
     full = chat(client, max_tokens=32)
@@ -81,11 +89,39 @@ def test_stop_cuts_the_text(server, client):
     assert streamed_text(chat(client, max_tokens=32, stop=" Paris", stream=True)) == cut
 
 
-def test_max_tokens_is_capped_at_the_context_not_refused(server, client):
-    reply = chat(client, max_tokens=10**6)
+def test_max_tokens_within_the_context_is_capped_beyond_it_refused(server, client):
+    """As OpenAI's API refuses a max_tokens past the model's limit; one the context holds but the
+    prompt leaves no room for is capped at the context's end (users ask for that, elsewhere)."""
+    reply = chat(client, max_tokens=8000)
     assert reply.choices[0].finish_reason == "stop" and "Paris" in reply.choices[0].message.content
     cut = chat(client, max_completion_tokens=3)
     assert (cut.choices[0].finish_reason, cut.usage.completion_tokens) == ("length", 3)
+    for field in ("max_tokens", "max_completion_tokens"):
+        with pytest.raises(openai.BadRequestError) as refused:
+            chat(client, **{field: 10**6})
+        assert refused.value.param == "max_tokens" and "8192" in refused.value.message
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="default", prompt="Hello", max_tokens=10**9)
+
+
+def test_a_request_without_max_tokens_gets_the_servers_default(client):
+    for stream in (False, True):
+        kw = {"extra_body": {"ignore_eos": True}, "stream": stream}
+        if stream:
+            kw["stream_options"] = {"include_usage": True}
+            reply = list(chat(client, **kw))[-1]
+        else:
+            reply = chat(client, **kw)
+        assert reply.usage.completion_tokens == DEFAULT_MAX_TOKENS
+    response = checked(client.responses.create(model="default", input="Count from 1 to 200, separated by commas.",
+                                               temperature=0))
+    assert (response.usage.output_tokens, response.status) == (DEFAULT_MAX_TOKENS, "incomplete")
+    completion = checked(client.completions.create(model="default", prompt="Once upon a time",
+                                                   extra_body={"ignore_eos": True}))
+    assert completion.usage.completion_tokens == 16            # OpenAI's default for text completions
+    for bad in (0, -5, "many"):
+        with pytest.raises(ConfigError, match="default_max_tokens"):
+            load(default_max_tokens=bad)
 
 
 def test_ignore_eos_replies_run_to_max_tokens(server, client):
@@ -134,7 +170,7 @@ def test_named_tool_choice_and_a_tool_result_round_trip(server, client):
     history = ask + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                      {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
     tokens = httpx.post(server.url + "/tokenize", json={"messages": history}, headers={"x-api-key": KEY}).json()["tokens"]
-    prompt = server.runtime.engine.tokenizer.decode(tokens)
+    prompt = reference_engine(server).tokenizer.decode(tokens)
     assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in prompt and '"name": "get_weather"' in prompt
     answer = chat(client, history, max_tokens=24, tools=tools, tool_choice="none")
     assert answer.choices[0].message.tool_calls is None and answer.choices[0].message.content
@@ -177,7 +213,7 @@ def test_logprobs_are_the_engines_log_softmax(server, client):
     prompt = chat_prompt(server, ASK)
     generated = greedy_tokens(server, prompt, 5)
     reference = log_softmax_rows(server, prompt + generated[:-1], list(range(len(prompt) - 1, len(prompt) + 4)))
-    decode = server.runtime.engine.tokenizer.decode
+    decode = reference_engine(server).tokenizer.decode
     reply = chat(client, max_tokens=5, logprobs=True, top_logprobs=3)
     entries = reply.choices[0].logprobs.content
     assert [e.token for e in entries] == [decode([t]) for t in generated]
@@ -195,7 +231,7 @@ def test_stop_token_ids_end_a_reply_before_the_token(server, client):
     tokens = greedy_tokens(server, chat_prompt(server, ASK), 12)
     reply = chat(client, max_tokens=12, extra_body={"stop_token_ids": [tokens[3]]}).choices[0]
     cut = tokens[:tokens.index(tokens[3])]
-    assert reply.message.content == server.runtime.engine.tokenizer.decode(cut) and reply.finish_reason == "stop"
+    assert reply.message.content == reference_engine(server).tokenizer.decode(cut) and reply.finish_reason == "stop"
 
 
 def test_bad_values_are_refused_before_any_pass(server, client):
@@ -226,7 +262,7 @@ def test_a_request_the_kv_pool_cannot_hold_is_a_429_and_every_page_returns(serve
 
 def test_logit_bias_bans_a_token(server, client):
     plain = chat(client, max_tokens=12).choices[0].message.content
-    paris = server.runtime.engine.tokenizer.encode(" Paris")
+    paris = reference_engine(server).tokenizer.encode(" Paris")
     biased = chat(client, max_tokens=12, logit_bias={str(paris[0]): -100}).choices[0].message.content
     assert " Paris" in plain and " Paris" not in biased
 
@@ -235,7 +271,7 @@ def test_presence_and_frequency_penalties_are_the_engines_greedy_decode_with_the
     """Each step's argmax of the log-softmax minus presence x (seen) minus frequency x (times seen),
     over the reply's own tokens, from direct passes."""
     ask = [{"role": "user", "content": "Count from 1 to 30, separated by commas."}]
-    prompt, tok = chat_prompt(server, ask), server.runtime.engine.tokenizer
+    prompt, tok = chat_prompt(server, ask), reference_engine(server).tokenizer
     stops = set(chat_tokens(tok).stop_tokens())
     presence, frequency, reply = 0.5, 1.5, []
     counts = torch.zeros(tok.vocab_size)
@@ -263,7 +299,7 @@ def test_top_k_1_min_p_1_and_a_tiny_top_p_sample_the_greedy_text(server, client)
 
 
 def test_completions_one_prompt_a_list_echo_and_logprobs(server, client):
-    tok = server.runtime.engine.tokenizer
+    tok = reference_engine(server).tokenizer
     prompts = ["The capital of France is", "Water boils at"]
     expected = [greedy_text(server, tok.encode(p), 6) for p in prompts]
     one = client.completions.create(model="default", prompt=prompts[0], max_tokens=6, temperature=0)
@@ -381,7 +417,7 @@ def test_models_tokenize_detokenize(server, client):
     assert client.models.retrieve("smollm2-135m-instruct").id == "smollm2-135m-instruct"
     auth = {"x-api-key": KEY}
     tokens = httpx.post(server.url + "/tokenize", json={"prompt": QUESTION}, headers=auth).json()
-    assert tokens["tokens"] == server.runtime.engine.tokenizer.encode(QUESTION) and tokens["count"] == len(tokens["tokens"])
+    assert tokens["tokens"] == reference_engine(server).tokenizer.encode(QUESTION) and tokens["count"] == len(tokens["tokens"])
     assert tokens["max_model_len"] == 8192
     chat_tokens = httpx.post(server.url + "/tokenize", json={"messages": ASK}, headers=auth).json()["tokens"]
     assert chat_tokens == chat_prompt(server, ASK)
@@ -407,3 +443,86 @@ def test_health_metrics_and_openapi(server, client):
     spec = httpx.get(server.url + "/openapi.json", headers=auth).json()
     assert {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1beta/models/{model}:generateContent",
             "/tokenize", "/health"} <= set(spec["paths"])
+
+
+# ---- what the official SDKs' models and OpenAI's API require -----------------------------------
+
+def test_responses_bodies_and_events_are_the_sdks_models(server, client):
+    """openai-python builds a Response without checking it; its own model requires, e.g.,
+    usage.input_tokens_details.cache_write_tokens."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "default", "input": QUESTION, "max_output_tokens": 8, "temperature": 0}
+    created = valid(Response, httpx.post(server.url + "/v1/responses", json=body, headers=auth, timeout=120).json())
+    assert created.usage.input_tokens_details.cache_write_tokens == 0
+    kept = httpx.get(f"{server.url}/v1/responses/{created.id}", headers=auth).json()
+    assert valid(Response, kept).id == created.id
+    streamed = httpx.post(server.url + "/v1/responses", json={**body, "stream": True}, headers=auth, timeout=120).text
+    events = [valid(ResponseStreamEvent, e) for e in sse_data(streamed)]
+    assert events[-1].type == f"response.{created.status}" and events[-1].response.output_text == created.output_text
+    chat_body = {"model": "default", "messages": ASK, "max_tokens": 4, "temperature": 0}
+    valid(ChatCompletion, httpx.post(server.url + "/v1/chat/completions", json=chat_body, headers=auth,
+                                     timeout=120).json())
+    chunks = sse_data(httpx.post(server.url + "/v1/chat/completions", json={**chat_body, "stream": True},
+                                 headers=auth, timeout=120).text)
+    assert [valid(ChatCompletionChunk, c) for c in chunks]
+
+
+def test_strict_booleans_and_errors_that_name_the_users_field(server):
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def refused(route: str, **body) -> dict:
+        response = httpx.post(server.url + route, json={"model": "default", **body}, headers=auth, timeout=120)
+        assert response.status_code == 400, response.text
+        return response.json()["error"]
+
+    assert refused("/v1/chat/completions", messages=ASK, stream="yes")["param"] == "stream"
+    assert refused("/v1/completions", prompt="Hi", echo=1)["param"] == "echo"
+    stops = refused("/v1/chat/completions", messages=ASK, stop=["a", "b", "c", "d", "e"])
+    assert stops["param"] == "stop" and "at most 4 items" in stops["message"]
+    content = refused("/v1/chat/completions", messages=[{"role": "user", "content": 5}])
+    assert content["param"] == "messages.0.content" and "valid string" in content["message"]
+    prompt = refused("/v1/completions", prompt=5)
+    assert prompt["param"] == "prompt" and ".str" not in prompt["message"] and "valid list" in prompt["message"]
+
+
+def test_completions_take_token_id_prompts(server, client):
+    tok = reference_engine(server).tokenizer
+    texts = ["The capital of France is", "Water boils at"]
+    ids = [tok.encode(t) for t in texts]
+    expected = [greedy_text(server, p, 6) for p in ids]
+    one = checked(client.completions.create(model="default", prompt=ids[0], max_tokens=6, temperature=0))
+    assert one.choices[0].text == expected[0] and one.usage.prompt_tokens == len(ids[0])
+    both = checked(client.completions.create(model="default", prompt=ids, max_tokens=6, temperature=0, echo=True))
+    assert [c.text for c in both.choices] == [t + e for t, e in zip(texts, expected)]
+    with pytest.raises(openai.BadRequestError) as outside:
+        client.completions.create(model="default", prompt=[1, 2, tok.vocab_size + 5], max_tokens=2)
+    assert outside.value.param == "prompt" and "vocabulary" in outside.value.message
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="default", prompt=[[1, 2], []], max_tokens=2)
+
+
+def test_a_forced_call_cut_by_max_tokens_keeps_its_arguments_so_far(client):
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = {"tools": [{"type": "function", "function": WEATHER}], "tool_choice": "required"}
+    whole = chat(client, ask, max_tokens=64, **kw).choices[0].message.tool_calls[0]
+    cut = chat(client, ask, max_tokens=20, **kw).choices[0]
+    assert cut.finish_reason == "length" and cut.message.content is None
+    call = cut.message.tool_calls[0]
+    assert call.function.name == "get_weather" and call.id
+    partial = call.function.arguments
+    assert partial and json.loads(whole.function.arguments) != partial
+    with pytest.raises(ValueError):
+        json.loads(partial)                                    # incomplete, as the length left it
+    chunks = list(chat(client, ask, max_tokens=20, stream=True, **kw))
+    deltas = [d for c in chunks if c.choices and c.choices[0].delta.tool_calls for d in c.choices[0].delta.tool_calls]
+    assert deltas[0].function.name == "get_weather"
+    assert "".join(d.function.arguments or "" for d in deltas) == partial
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_unknown_paths_and_methods_in_openais_shape(server):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for response, status in ((httpx.get(server.url + "/v1/nothing", headers=auth), 404),
+                             (httpx.get(server.url + "/v1/chat/completions", headers=auth), 405)):
+        assert response.status_code == status
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}

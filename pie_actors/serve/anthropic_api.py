@@ -13,14 +13,16 @@ from starlette.responses import JSONResponse, Response
 
 from .errors import ApiError
 from .inferlets import Call
-from .routes import Api, Route, Serving, Shape, answer, count
+from .routes import Api, Flag, Route, Serving, Shape, answer, count
 from .sse import frame
 
 __all__ = ["API", "ROUTES"]
 
 _ERRORS = {"invalid_request": (400, "invalid_request_error"), "context_length_exceeded": (400, "invalid_request_error"),
            "missing_key": (401, "authentication_error"), "invalid_key": (401, "authentication_error"),
-           "not_found": (404, "not_found_error"), "unavailable": (503, "overloaded_error"),
+           "not_found": (404, "not_found_error"), "no_route": (404, "not_found_error"),
+           "wrong_method": (405, "invalid_request_error"),
+           "unavailable": (529, "overloaded_error"),       # Anthropic's "overloaded, retry later"
            "rate_limited": (429, "rate_limit_error"),
            "server_error": (500, "api_error")}
 
@@ -62,7 +64,7 @@ class ToolSpec(Shape):
 class ToolChoice(Shape):
     type: Literal["auto", "any", "tool", "none"]
     name: Optional[str] = None
-    disable_parallel_tool_use: Optional[bool] = None
+    disable_parallel_tool_use: Optional[Flag] = None
 
 
 class Thinking(Shape):
@@ -84,7 +86,12 @@ class Prompt(Shape):
         choice = self.tool_choice
         tool_choice = None if choice is None else {"name": choice.name} if choice.type == "tool" else \
             {"auto": "auto", "any": "required", "none": "none"}[choice.type]
-        return {"messages": system + [m for message in self.messages for m in _messages(message)],
+        _check_content(self.messages)
+        # Thinking of the turn in progress (a tool-use loop since the last user text) is fed back,
+        # as Anthropic keeps it; that of completed turns is dropped, as Anthropic does.
+        asked = max((i for i, m in enumerate(self.messages) if m.role == "user" and not _tool_results(m)), default=0)
+        return {"messages": system + [m for i, message in enumerate(self.messages)
+                                      for m in _messages(message, keep_thinking=i > asked)],
                 "tools": [{"name": t.name, "description": t.description, "parameters": t.input_schema}
                           for t in self.tools or []],
                 "tool_choice": tool_choice, "thinking": bool(self.thinking and self.thinking.type == "enabled"),
@@ -105,7 +112,7 @@ class MessagesRequest(Prompt):
     """temperature, top_p and top_k are taken as older clients send them."""
     max_tokens: int = Field(ge=1)
     stop_sequences: Optional[list[str]] = None
-    stream: bool = False
+    stream: Flag = False
     temperature: Optional[float] = Field(None, ge=0, le=1)
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=0)
@@ -130,24 +137,43 @@ def _text(content: Union[str, list[Block], None], where: str) -> str:
     return "\n".join(block.text or "" for block in content)
 
 
-def _messages(message: Message) -> list[dict[str, Any]]:
-    """One Anthropic message as neutral messages: text, tool calls, and each tool result its own."""
+def _check_content(messages: list[Message]) -> None:
+    """Every message has content, but for a final assistant message (a prefill), as Anthropic requires."""
+    for i, message in enumerate(messages):
+        if not message.content and not (i == len(messages) - 1 and message.role == "assistant"):
+            raise ApiError("invalid_request", f"messages.{i}.content: all messages must have non-empty content "
+                                              "except for the optional final assistant message",
+                           f"messages.{i}.content")
+
+
+def _tool_results(message: Message) -> bool:
+    """Whether a user message holds only tool results (it continues the turn, asks nothing new)."""
+    return isinstance(message.content, list) and all(b.type == "tool_result" for b in message.content)
+
+
+def _messages(message: Message, keep_thinking: bool) -> list[dict[str, Any]]:
+    """One Anthropic message as neutral messages: text, tool calls, and each tool result its own;
+    its thinking when `keep_thinking`."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
-    out, texts, calls = [], [], []
+    out, texts, calls, thoughts = [], [], [], []
     for block in message.content:
-        if block.type == "text":
+        if block.type == "thinking" and message.role == "assistant":
+            thoughts.append(block.thinking or "")
+        elif block.type == "text":
             texts.append(block.text or "")
         elif block.type == "tool_use" and message.role == "assistant":
             calls.append({"id": block.id, "name": block.name, "arguments": json.dumps(block.input or {})})
         elif block.type == "tool_result" and message.role == "user":
             out.append({"role": "tool", "tool_call_id": block.tool_use_id,
                         "content": _text(block.content, "tool_result.content")})
-        elif block.type not in ("thinking", "redacted_thinking"):     # earlier thinking is not fed back
+        elif block.type != "redacted_thinking":           # encrypted elsewhere: nothing to feed back
             raise ApiError("invalid_request", f"messages: {message.role} content blocks of type {block.type!r} "
                                               "are not supported", "messages")
-    if texts or calls or not out:
-        out.append({"role": message.role, "content": "\n".join(texts), **({"tool_calls": calls} if calls else {})})
+    thinking = "\n".join(thoughts) if keep_thinking and any(thoughts) else None
+    if texts or calls or thinking or not out:
+        out.append({"role": message.role, "content": "\n".join(texts), **({"tool_calls": calls} if calls else {}),
+                    **({"thinking": thinking} if thinking else {})})
     return out
 
 
@@ -179,8 +205,12 @@ def _tool_use(call: dict) -> dict[str, Any]:
 def messages_response(result: dict, model: str) -> dict[str, Any]:
     reply = result["choices"][0]
     content = ([{"type": "thinking", "thinking": reply["thinking"], "signature": ""}] if reply.get("thinking") else [])
-    if reply.get("text") or not reply.get("tool_calls"):
-        content.append({"type": "text", "text": reply.get("text", "")})
+    # A call the length cut off has no valid input for a tool_use block: its text is a text block
+    # (stop_reason max_tokens), so what was generated is not lost.
+    cut = (reply.get("cut_call") or {}).get("text", "")
+    text = (reply.get("text") or "") + cut
+    if text or not reply.get("tool_calls"):
+        content.append({"type": "text", "text": text})
     content += [_tool_use(c) for c in reply.get("tool_calls") or []]
     return _message(model, content, _usage(result.get("usage") or {}),
                     STOP_REASON.get(reply.get("finish_reason"), "end_turn"), reply.get("stop_sequence"))
@@ -197,7 +227,7 @@ class _Stream:
 
     def on(self, m: dict) -> list[str]:
         kind = m.get("type")
-        if kind == "text" and m["text"]:
+        if kind in ("text", "cut_call") and m["text"]:          # a cut call as text, as in messages_response
             return self._into("text", {"type": "text", "text": ""}) + [self._delta(type="text_delta", text=m["text"])]
         if kind == "thinking":
             return (self._into("thinking", {"type": "thinking", "thinking": ""})

@@ -18,9 +18,9 @@ from . import anthropic_api, gemini_api, openai_api, responses_api, ws
 from .auth import check_key, owner_of, presented_key
 from .errors import ApiError
 from .openapi import document
-from .routes import Route, Serving, parse
+from .routes import Api, Route, Serving, parse
 
-__all__ = ["build_app", "ROUTES"]
+__all__ = ["build_app", "api_of", "ROUTES"]
 
 log = logging.getLogger("pie.serve")
 
@@ -58,6 +58,16 @@ ROUTES: list[Route] = [*gemini_api.ROUTES, *openai_api.ROUTES, *responses_api.RO
 OPENAPI = document(ROUTES, "pie serve", "1")
 
 
+def api_of(path: str) -> Api:
+    """Whose API a path is under, for an error about a route the server lacks: Anthropic's under
+    /v1/messages, Gemini's under /v1beta and for a model's methods (models/{model}:method), else OpenAI's."""
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return anthropic_api.API
+    if path.startswith("/v1beta/") or ":" in path.rpartition("/models/")[2]:
+        return gemini_api.API
+    return API
+
+
 def _endpoint(route: Route, serving: Serving, keys: Collection[str]):
     async def handle(request: Request) -> Response:
         try:
@@ -83,10 +93,9 @@ def build_app(serving: Serving, api_keys: Collection[str]) -> Starlette:
     keys = tuple(api_keys)
 
     async def not_found(request: Request, exc: Exception) -> Response:
-        status = getattr(exc, "status_code", 404)
-        return JSONResponse({"error": {"message": f"no route {request.method} {request.url.path}",
-                                       "type": "invalid_request_error", "param": None, "code": None}},
-                            status_code=status)
+        path = request.url.path
+        kind = "wrong_method" if getattr(exc, "status_code", 404) == 405 else "no_route"
+        return api_of(path).error_response(ApiError(kind, f"no route {request.method} {path}"))
 
     routes = [StarletteRoute(r.path, _endpoint(r, serving, keys), methods=[r.method]) for r in ROUTES]
     return Starlette(routes=[*routes, WebSocketRoute(WS_PATH, ws.endpoint(serving, keys))],

@@ -8,6 +8,7 @@ KINDS = ("invalid_request",          # malformed JSON, a bad field, a value the 
          "context_length_exceeded",  # the prompt does not fit the model's context
          "missing_key", "invalid_key",
          "not_found",                # an unknown model
+         "no_route", "wrong_method",  # a path the server does not have; one it has, with another method
          "rate_limited",             # over one of the key's quotas (quotas.py)
          "unavailable",              # the engine is still loading
          "server_error")             # the endpoint inferlet failed

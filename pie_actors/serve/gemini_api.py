@@ -1,4 +1,5 @@
-"""The Gemini API: models/{model}:generateContent, :streamGenerateContent (server-sent events) and
+"""The Gemini API: models/{model}:generateContent, :streamGenerateContent (server-sent events with
+?alt=sse, else a streamed JSON array) and
 :countTokens, under /v1beta, /v1 (where google-genai sends them by default) and no prefix. Requests
 become the neutral input of endpoints/chat.py; its result and messages become
 GenerateContentResponses."""
@@ -14,15 +15,17 @@ from starlette.responses import JSONResponse, Response
 
 from .errors import ApiError
 from .inferlets import GEMINI_COUNT, GEMINI_GENERATE, Call
-from .routes import Api, Route, Serving, Shape, answer, count
-from .sse import frame
+from .routes import Api, Flag, Route, Serving, Shape, answer, count
+from .sse import SSE, frame
 
 __all__ = ["API", "ROUTES", "json_schema"]
 
 # The real API's answers: no key is 403, a wrong key 400.
 _ERRORS = {"invalid_request": (400, "INVALID_ARGUMENT"), "context_length_exceeded": (400, "INVALID_ARGUMENT"),
            "missing_key": (403, "PERMISSION_DENIED"), "invalid_key": (400, "INVALID_ARGUMENT"),
-           "not_found": (404, "NOT_FOUND"), "unavailable": (503, "UNAVAILABLE"), "server_error": (500, "INTERNAL"),
+           "not_found": (404, "NOT_FOUND"), "no_route": (404, "NOT_FOUND"), "unavailable": (503, "UNAVAILABLE"),
+           "wrong_method": (404, "NOT_FOUND"),            # Google's status codes have no "method not allowed"
+           "server_error": (500, "INTERNAL"),
            "rate_limited": (429, "RESOURCE_EXHAUSTED")}
 
 
@@ -53,7 +56,7 @@ class Part(Shape):
     text: Optional[str] = None
     functionCall: Optional[FunctionCall] = None
     functionResponse: Optional[FunctionResponse] = None
-    thought: Optional[bool] = None
+    thought: Optional[Flag] = None
 
 
 class Content(Shape):
@@ -141,6 +144,8 @@ def _contents(contents: list[Content], system: Optional[Content]) -> list[dict[s
     if system is not None:
         messages.append({"role": "system", "content": "\n".join(p.text or "" for p in system.parts)})
     for turn, content in enumerate(contents):
+        if not content.parts:                      # as Google's API refuses it
+            raise ApiError("invalid_request", f"contents[{turn}].parts must not be empty", f"contents[{turn}].parts")
         texts, calls = [], []
         role = "assistant" if content.role == "model" else "user"
         for i, part in enumerate(content.parts):
@@ -232,27 +237,48 @@ def generate_response(result: dict, reply: _Reply) -> dict[str, Any]:
     candidates = []
     for c in result["choices"]:
         parts = ([{"text": c["thinking"], "thought": True}] if c.get("thinking") else [])
-        parts += [{"text": c.get("text", "")}] if c.get("text") or not c.get("tool_calls") else []
+        text = (c.get("text") or "") + (c.get("cut_call") or {}).get("text", "")    # a cut call: no valid args
+        parts += [{"text": text}] if text or not c.get("tool_calls") else []
         parts += [_function_call(call) for call in c.get("tool_calls") or []]
         candidates.append(_candidate(c["index"], parts, FINISH.get(c.get("finish_reason"), "STOP")))
     return reply.response(candidates, result.get("usage") or {})
 
 
-async def _chunks(call: Call, reply: _Reply) -> AsyncIterator[str]:
+async def _chunks(call: Call, reply: _Reply) -> AsyncIterator[dict]:
     """A response per message; the finish reasons and the usage come in the last one."""
     finished: dict[int, str] = {}
     async for m in call.messages():
         kind, index = m.get("type"), m.get("choice", 0)
-        if kind == "text" and m["text"]:
-            yield frame(reply.response([_candidate(index, [{"text": m["text"]}])]))
+        if kind in ("text", "cut_call") and m["text"]:
+            yield reply.response([_candidate(index, [{"text": m["text"]}])])
         elif kind == "thinking":
-            yield frame(reply.response([_candidate(index, [{"text": m["text"], "thought": True}])]))
+            yield reply.response([_candidate(index, [{"text": m["text"], "thought": True}])])
         elif kind == "tool_call":
-            yield frame(reply.response([_candidate(index, [_function_call(m)])]))
+            yield reply.response([_candidate(index, [_function_call(m)])])
         elif kind == "finish":
             finished[index] = FINISH.get(m.get("reason"), "STOP")
-    yield frame(reply.response([_candidate(i, [{"text": ""}], reason) for i, reason in sorted(finished.items())],
-                               call.usage))
+    yield reply.response([_candidate(i, [{"text": ""}], reason) for i, reason in sorted(finished.items())],
+                         call.usage)
+
+
+async def _events(responses: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """?alt=sse: each response a server-sent event."""
+    async for response in responses:
+        yield frame(response)
+
+
+async def _array(responses: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """Without alt=sse, as Google's API streams: one JSON array, each response an item written as it
+    comes; an error ends the array as its last item."""
+    separator = "["
+    try:
+        async for response in responses:
+            yield separator + json.dumps(response, ensure_ascii=False)
+            separator = ",\r\n"
+    except ApiError as e:
+        yield separator + json.dumps(_shape(e)[1], ensure_ascii=False)
+        separator = ""
+    yield ("[" if separator == "[" else "") + "]"
 
 
 # ---- handlers ----------------------------------------------------------------------------------
@@ -264,9 +290,11 @@ def _model(serving: Serving, request: Request) -> str:
 async def generate_content(serving: Serving, request: Request, body: GenerateRequest) -> Response:
     reply = _Reply(_model(serving, request))
     stream = request.url.path.endswith(":streamGenerateContent")
+    sse = request.query_params.get("alt") == "sse"
     return await answer(serving, request, GEMINI_GENERATE, generate_input(body), stream,
-                        lambda result: generate_response(result, reply), lambda call, start: _chunks(call, reply),
-                        API)
+                        lambda result: generate_response(result, reply),
+                        lambda call, start: (_events if sse else _array)(_chunks(call, reply)), API,
+                        media_type=SSE if sse else "application/json; charset=UTF-8")
 
 
 async def count_tokens(serving: Serving, request: Request, body: CountRequest) -> Response:
@@ -284,7 +312,8 @@ ROUTES = [route for prefix in ("/v1beta", "/v1", "") for route in (
     Route("POST", prefix + "/models/{model}:generateContent", API, generate_content,
           "Gemini generateContent.", GenerateRequest, query=("key",)),
     Route("POST", prefix + "/models/{model}:streamGenerateContent", API, generate_content,
-          "Gemini streamGenerateContent: server-sent events (alt=sse).", GenerateRequest, streams=True,
+          "Gemini streamGenerateContent: server-sent events with alt=sse, else a streamed JSON array.",
+          GenerateRequest, streams=True,
           query=("alt", "key")),
     Route("POST", prefix + "/models/{model}:countTokens", API, count_tokens, "Gemini countTokens.", CountRequest,
           query=("key",)),

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 from .errors import ApiError
 from .inferlets import Call
-from .routes import Api, Route, Serving, Shape, answer, count
+from .routes import Api, Flag, Route, Serving, Shape, answer, count
 from .sse import frame
 
 __all__ = ["API", "ROUTES", "usage"]
@@ -24,6 +24,7 @@ _ERRORS = {"invalid_request": (400, "invalid_request_error", None),
            "missing_key": (401, "invalid_request_error", "invalid_api_key"),
            "invalid_key": (401, "invalid_request_error", "invalid_api_key"),
            "not_found": (404, "invalid_request_error", "model_not_found"),
+           "no_route": (404, "invalid_request_error", None), "wrong_method": (405, "invalid_request_error", None),
            "rate_limited": (429, "rate_limit_exceeded", "rate_limit_exceeded"),
            "unavailable": (503, "server_error", "engine_loading"),
            "server_error": (500, "server_error", None)}
@@ -95,14 +96,14 @@ class ResponseFormat(Shape):
 
 
 class StreamOptions(Shape):
-    include_usage: Optional[bool] = None
+    include_usage: Optional[Flag] = None
 
 
 class Sampling(Shape):
     """Fields both generation routes take (top_k, min_p, ignore_eos and stop_token_ids are extras, as
     in vLLM)."""
     model: str
-    stream: bool = False
+    stream: Flag = False
     stream_options: Optional[StreamOptions] = None
     max_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0, le=2)
@@ -115,7 +116,7 @@ class Sampling(Shape):
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
     logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None
-    ignore_eos: bool = False
+    ignore_eos: Flag = False
     stop_token_ids: Optional[list[int]] = None
 
     def neutral(self) -> dict[str, Any]:
@@ -132,17 +133,18 @@ class Sampling(Shape):
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
-    logprobs: Optional[bool] = None
+    logprobs: Optional[Flag] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
-    parallel_tool_calls: Optional[bool] = None
+    parallel_tool_calls: Optional[Flag] = None
     response_format: Optional[ResponseFormat] = None
 
 
 class CompletionRequest(Sampling):
-    prompt: Union[str, list[str]]
-    echo: bool = False
+    """A prompt is text or token ids (as OpenAI's spec and vLLM take them), or a list of either."""
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    echo: Flag = False
     logprobs: Optional[int] = Field(None, ge=0, le=5)
 
 
@@ -238,6 +240,18 @@ def _tool_calls(calls: list) -> list[dict] | None:
             for c in calls] or None
 
 
+def _reply(choice: dict) -> tuple[str, list[dict]]:
+    """A chat choice's text and calls. A call the length cut off is a call with the arguments written
+    so far (finish_reason "length" tells the client they are incomplete), as OpenAI returns one;
+    cut before its name, it is text."""
+    cut, text, calls = choice.get("cut_call"), choice.get("text") or "", list(choice.get("tool_calls") or [])
+    if cut is not None and cut.get("name") is not None:
+        calls.append(cut)
+    elif cut is not None:
+        text += cut["text"]
+    return text, calls
+
+
 class _Reply:
     """The id, time and model name that every object and chunk of one reply carries."""
 
@@ -249,13 +263,18 @@ class _Reply:
                 "choices": choices, **extra}
 
 
+def _chat_choice(c: dict) -> dict[str, Any]:
+    text, calls = _reply(c)
+    return {"index": c["index"], "finish_reason": FINISH.get(c.get("finish_reason"), "stop"),
+            "message": {"role": "assistant", "content": text if text or not calls else None,
+                        "tool_calls": _tool_calls(calls),
+                        **({"reasoning_content": c["thinking"]} if c.get("thinking") else {})},
+            "logprobs": _chat_logprobs(c.get("logprobs"))}
+
+
 def chat_response(result: dict, reply: _Reply) -> dict[str, Any]:
-    choices = [{"index": c["index"], "finish_reason": FINISH.get(c.get("finish_reason"), "stop"),
-                "message": {"role": "assistant", "content": c.get("text") if c.get("text") or not c.get("tool_calls")
-                            else None, "tool_calls": _tool_calls(c.get("tool_calls") or []),
-                            **({"reasoning_content": c["thinking"]} if c.get("thinking") else {})},
-                "logprobs": _chat_logprobs(c.get("logprobs"))} for c in result["choices"]]
-    return reply.object("chat.completion", choices, usage=usage(result.get("usage") or {}))
+    return reply.object("chat.completion", [_chat_choice(c) for c in result["choices"]],
+                        usage=usage(result.get("usage") or {}))
 
 
 def completion_response(result: dict, reply: _Reply) -> dict[str, Any]:
@@ -294,7 +313,9 @@ def _chat_delta(logprobs: bool):
                      "logprobs": _chat_logprobs(m.get("logprobs")) if logprobs else None}]
         if kind == "thinking":
             return [{**base, "delta": {"reasoning_content": m["text"]}}]
-        if kind == "tool_call":                    # id, type and name first, then the arguments
+        if kind == "cut_call" and m.get("name") is None:
+            return [{**base, "delta": {"content": m["text"]}}]
+        if kind in ("tool_call", "cut_call"):      # id, type and name first, then the arguments
             head = {"index": m["index"], "id": m["id"], "type": "function",
                     "function": {"name": m["name"], "arguments": ""}}
             return [{**base, "delta": {"tool_calls": [head]}},

@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from . import openai_api
 from .errors import ApiError
 from .inferlets import Call
-from .routes import Api, Route, Serving, Shape, answer
+from .routes import Api, Flag, Route, Serving, Shape, answer
 from .sse import frame
 from .stored import StoredResponse
 
@@ -82,7 +82,7 @@ class FunctionTool(Shape):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
-    strict: Optional[bool] = None
+    strict: Optional[Flag] = None
 
 
 class NamedFunction(Shape):
@@ -95,7 +95,7 @@ class TextFormat(Shape):
     name: Optional[str] = None
     schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
     description: Optional[str] = None
-    strict: Optional[bool] = None
+    strict: Optional[Flag] = None
 
 
 class TextConfig(Shape):
@@ -106,15 +106,15 @@ class ResponseRequest(Shape):
     model: Optional[str] = None
     input: Union[str, list[InputItem]]
     instructions: Optional[str] = None
-    stream: bool = False
+    stream: Flag = False
     tools: Optional[list[FunctionTool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedFunction, None] = None
-    parallel_tool_calls: Optional[bool] = None
+    parallel_tool_calls: Optional[Flag] = None
     text: Optional[TextConfig] = None
     max_output_tokens: Optional[int] = Field(None, ge=1)
     temperature: Optional[float] = Field(None, ge=0, le=2)
     top_p: Optional[float] = Field(None, gt=0, le=1)
-    store: bool = True
+    store: Flag = True
     previous_response_id: Optional[str] = None
     metadata: Optional[dict[str, str]] = None
     user: Optional[str] = None
@@ -211,14 +211,15 @@ class Output:
             events.append({"type": "response.output_text.delta", **self._where(), "delta": delta, "logprobs": []})
         return events
 
-    def call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+    def call(self, call: dict[str, Any], status: str = "completed") -> list[dict[str, Any]]:
+        """A function call item; "incomplete" for one the length cut off (its arguments so far)."""
         events = self._end_message("completed")
         item = {"id": _id("fc"), "type": "function_call", "status": "in_progress", "call_id": call["id"],
                 "name": call["name"], "arguments": ""}
         self.items.append(item)
         where = {"item_id": item["id"], "output_index": len(self.items) - 1}
         events.append(self._item_event("response.output_item.added", item))
-        item["arguments"], item["status"] = call["arguments"], "completed"
+        item["arguments"], item["status"] = call["arguments"], status
         events += [{"type": "response.function_call_arguments.delta", **where, "delta": call["arguments"]},
                    {"type": "response.function_call_arguments.done", **where, "name": call["name"],
                     "arguments": call["arguments"]},
@@ -254,14 +255,16 @@ class Output:
     def message(self) -> dict[str, Any]:
         """The output as the endpoint's assistant message, for the stored conversation."""
         text = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "message")
-        calls = [{"id": i["call_id"], "name": i["name"], "arguments": i["arguments"]}
-                 for i in self.items if i["type"] == "function_call"]
+        calls = [{"id": i["call_id"], "name": i["name"], "arguments": i["arguments"]}   # a cut one is not JSON
+                 for i in self.items if i["type"] == "function_call" and i["status"] == "completed"]
         return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
 
 
 def usage(u: dict[str, Any]) -> dict[str, Any]:
     chat = openai_api.usage(u)
-    return {"input_tokens": chat["prompt_tokens"], "input_tokens_details": chat["prompt_tokens_details"],
+    # nothing is written to a provider's paid cache here: the prefix cache keeps pages on its own
+    details = {**chat["prompt_tokens_details"], "cache_write_tokens": 0}
+    return {"input_tokens": chat["prompt_tokens"], "input_tokens_details": details,
             "output_tokens": chat["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": chat["total_tokens"]}
 
@@ -322,7 +325,13 @@ class Reply:
         self.output.text(choice.get("text") or "")
         for call in choice.get("tool_calls") or []:
             self.output.call(call)
+        if choice.get("cut_call"):
+            self._cut(choice["cut_call"])
         return self.finish(result)[1]
+
+    def _cut(self, cut: dict[str, Any]) -> list[dict[str, Any]]:
+        """A call the length cut off: an incomplete function_call item once its name is known, else text."""
+        return self.output.call(cut, "incomplete") if cut.get("name") is not None else self.output.text(cut["text"])
 
     async def events(self, call: Call, start: dict) -> AsyncIterator[str]:
         numbers = itertools.count()
@@ -335,7 +344,8 @@ class Reply:
         async for message in call.messages():
             kind = message.get("type")
             made = (self.output.text(message["text"]) if kind == "text" and message.get("text") else
-                    self.output.call(message) if kind == "tool_call" else [])
+                    self.output.call(message) if kind == "tool_call" else
+                    self._cut(message) if kind == "cut_call" else [])
             for event in made:
                 yield sse(event)
         closing, response = self.finish(call.result)

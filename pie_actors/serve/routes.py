@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -21,11 +21,15 @@ from .metrics import Metrics
 from .quotas import Quotas
 from .sessions import Sessions
 from .stored import StoredResponses
-from .sse import EventStream, frame
+from .sse import SSE, EventStream, frame
 
-__all__ = ["Api", "Route", "Serving", "Shape", "parse", "answer", "count"]
+__all__ = ["Api", "Route", "Serving", "Shape", "Flag", "parse", "answer", "count"]
 
 CLIENT_CLOSED = 499          # what the log and metrics say of a request whose client left first
+
+
+# A request's boolean: true or false only, as the APIs take them ("yes" or 1 is refused, not read as true)
+Flag = StrictBool
 
 
 class Shape(BaseModel):
@@ -47,6 +51,7 @@ class Api:
     def error_response(self, error: ApiError) -> JSONResponse:
         status, body = self.shape(error)
         return JSONResponse(body, status_code=status)
+
 
     def error_frame(self, error: ApiError) -> str:
         return frame(self.shape(error)[1], self.error_event)
@@ -81,6 +86,7 @@ class Serving:
     loading_error: str | None = field(default=None)
     responses: StoredResponses = field(default_factory=StoredResponses)
     quotas: Quotas = field(default_factory=lambda: Quotas({}))
+    default_max_tokens: int = 1024              # a reply's bound when its request gives none ([serve])
 
     def check_model(self, name: str) -> str:
         """`name` if the model answers to it; else an ApiError("not_found")."""
@@ -103,20 +109,57 @@ async def parse(request: Request, shape: type[BaseModel]) -> BaseModel:
     try:
         return shape.model_validate(data)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ApiError("invalid_request", f"{where}: {first['msg']}" if where else first["msg"], where or None) from None
+        where, message = _first_error(e.errors(), data)
+        raise ApiError("invalid_request", f"{where}: {message}" if where else message, where or None) from None
+
+
+def _user_path(loc: tuple, data: Any, missing: bool) -> tuple:
+    """`loc` without the names pydantic gives the members of a union ("str", "list[str]"), which
+    the user never wrote: only the keys and indexes found in `data` are kept (and, for a missing
+    field, its name)."""
+    path = []
+    for i, step in enumerate(loc):
+        if isinstance(data, dict) and step in data:
+            data = data[step]
+        elif isinstance(data, list) and isinstance(step, int) and 0 <= step < len(data):
+            data = data[step]
+        elif not (missing and i == len(loc) - 1):
+            continue
+        path.append(step)
+    return tuple(path)
+
+
+def _mismatch(error: dict) -> bool:
+    return error["type"].endswith("_type") or error["type"] == "literal_error"
+
+
+def _first_error(errors: list[dict], data: Any) -> tuple[str, str]:
+    """The field and message to report: the error deepest in the user's data (a union's member that
+    got furthest), a value's error before a wrong type; where only wrong types are left at that
+    field (a union none of whose members fit), their messages together."""
+    found = [(_user_path(e["loc"], data, e["type"] == "missing"), e) for e in errors]
+    depth = max(len(path) for path, _ in found)
+    deepest = [(path, e) for path, e in found if len(path) == depth]
+    path, error = next(((p, e) for p, e in deepest if not _mismatch(e)), deepest[0])
+    message = error["msg"]
+    if _mismatch(error):
+        said = list(dict.fromkeys(e["msg"] for p, e in deepest if p == path))
+        lead = "Input should be "
+        message = lead + " or ".join(m.removeprefix(lead) for m in said) if all(
+            m.startswith(lead) for m in said) else "; ".join(said)
+    return ".".join(str(p) for p in path), message
 
 
 async def answer(serving: Serving, request: Request, key: str, input: dict[str, Any], stream: bool,
                  respond: Callable[[dict], dict], frames: Callable[[Call, dict], AsyncIterator[str]],
-                 api: Api, closed: Callable[[Call], None] = Call.close) -> Response:
+                 api: Api, closed: Callable[[Call], None] = Call.close, media_type: str = SSE) -> Response:
     """Launch endpoint `key` on `input` as the process of the request's owner (its key). Not
     streaming: `respond(result)` once it has ended. Streaming: wait for its start (a refusal is
-    still an error response), then `frames(call, start)` as server-sent events; a client that
+    still an error response), then `frames(call, start)` (server-sent events, or `media_type`); a client that
     leaves ends the inferlet either way. `closed(call)` runs once the request is over, however it
-    ended (default: end the inferlet)."""
-    call = await serving.endpoints.launch(key, {**input, "stream": stream}, request.state.owner)
+    ended (default: end the inferlet). A request without max_tokens gets the server's default."""
+    input = {**input, "stream": stream, "default_max_tokens": serving.default_max_tokens}
+    call = await serving.endpoints.launch(key, input, request.state.owner)
     if not stream:
         try:
             return JSONResponse(respond(await call.finish(request.receive)))
@@ -129,7 +172,7 @@ async def answer(serving: Serving, request: Request, key: str, input: dict[str, 
     except BaseException:
         closed(call)
         raise
-    return EventStream(frames(call, start), api.error_frame, lambda: closed(call))
+    return EventStream(frames(call, start), api.error_frame, lambda: closed(call), media_type)
 
 
 async def count(serving: Serving, request: Request, key: str, input: dict[str, Any]) -> dict[str, Any]:

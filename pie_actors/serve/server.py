@@ -71,7 +71,8 @@ class Server:
         self._endpoints = Endpoints(serve.routes, metrics, quotas)
         self.serving = Serving(model_name(self.config.engine.model), served_names(self.config), metrics,
                                Sessions(serve.idle_timeout_s, serve.detached_buffer, spent=quotas.used),
-                               responses=StoredResponses(serve.stored_responses), quotas=quotas)
+                               responses=StoredResponses(serve.stored_responses), quotas=quotas,
+                               default_max_tokens=serve.default_max_tokens)
         self._loaded = threading.Event()
         self._uvicorn = None
         self._threads: list[threading.Thread] = []

@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator, Callable
 
 from .errors import ApiError
 
-__all__ = ["frame", "EventStream", "disconnected"]
+__all__ = ["frame", "EventStream", "SSE", "disconnected"]
 
 
 def frame(data: Any, event: str | None = None) -> str:
@@ -26,18 +26,22 @@ async def disconnected(receive: Callable) -> None:
         pass
 
 
+SSE = "text/event-stream; charset=utf-8"
+
+
 class EventStream:
-    """An ASGI response: status 200 and `frames` as text/event-stream. An ApiError raised by the
-    frames becomes the API's `error_frame`; `on_close` runs however the stream ends."""
+    """An ASGI response: status 200 and `frames` as they come, as text/event-stream (or another
+    streamed `media_type`). An ApiError raised by the frames becomes the API's `error_frame`;
+    `on_close` runs however the stream ends."""
 
     def __init__(self, frames: AsyncIterator[str], error_frame: Callable[[ApiError], str],
-                 on_close: Callable[[], None]) -> None:
-        self.frames, self.error_frame, self.on_close = frames, error_frame, on_close
+                 on_close: Callable[[], None], media_type: str = SSE) -> None:
+        self.frames, self.error_frame, self.on_close, self.media_type = frames, error_frame, on_close, media_type
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         async def pump() -> None:
             await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                        "headers": [(b"content-type", self.media_type.encode()),
                                     (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
             try:
                 async for text in self.frames:

@@ -9,16 +9,20 @@ protocol (examples/serve_endpoint is a small one).
 Input (one of "messages" and "prompt"; everything else optional):
   messages      [{"role": "system" | "user" | "assistant" | "tool", "content": str,
                   "tool_calls": [{"id", "name", "arguments": JSON text}],     (assistant)
+                  "thinking": str,      (assistant: its reasoning, fed back before its text on a thinking model)
                   "tool_call_id": str, "name": str}]                          (tool results)
                 system messages, wherever they are, open the conversation together
-  prompt        str or [str]: raw completion prompts, no chat template
+  prompt        str, [str], [int] or [[int]]: raw completion prompts (text, or token ids as they
+                are), no chat template
   tools         [{"name", "description", "parameters": JSON schema}]
   tool_choice   "auto" (default) | "none" | "required" | {"name": str}
   parallel_tool_calls  true lets a reply make several calls; otherwise it ends at its first
                 (small models repeat a call again and again where the grammar allows more)
   response_format      {"type": "text" | "json"} or {"type": "json_schema", "schema": {...}}
   thinking      bool: a reasoning model thinks first (sent as "thinking" messages)
-  max_tokens    int or null: null, or more than the context holds, means up to its end
+  max_tokens    int or null: at most the model's context (more is refused); a reply that reaches
+                the context's end stops there
+  default_max_tokens  int or null: the bound when max_tokens is null (null: the context's end)
   temperature (1; 0 is greedy), top_p (1), top_k (0: off), min_p (0), seed (null: random)
   presence_penalty, frequency_penalty (0), logit_bias {"token id": bias}
   stop          [str]: a reply ends before the first of them
@@ -43,13 +47,16 @@ Messages (session.send of JSON objects), in order:
                                                         input): an entry for each new token
   {"type": "thinking", "choice", "text"}
   {"type": "tool_call", "choice", "index", "id", "name", "arguments": JSON text}
+  {"type": "cut_call", "choice", "index", "id", "text", "name", "arguments"}
+      a call the length cut off: its text as written and, once its name is complete, the name and
+      its arguments' JSON text so far (name and arguments null before)
   {"type": "finish", "choice", "reason", "stop_sequence"}
       reason: "stop" (a stop token or the grammar's end), "stop_sequence" (one of `stop`),
       "length", "tool_calls"
   A logprobs entry: {"token", "bytes", "logprob", "top": [{"token", "bytes", "logprob"}]}, the
   log-softmax of the model's logits (before sampling settings).
 
-Result: {"choices": [{"index", "text", "thinking", "tool_calls", "finish_reason",
+Result: {"choices": [{"index", "text", "thinking", "tool_calls", "cut_call", "finish_reason",
           "stop_sequence", "logprobs"}], "usage": {"prompt_tokens", "completion_tokens",
           "cached_tokens"}}; choice i * n + j is prompt i's reply j. With save, also
         "saved": {"name", "tokens": the ids the set holds, for a later resume}.
@@ -67,6 +74,7 @@ replies submit one pass per token. Sampling, penalties, logit bias and logprobs 
 import asyncio
 import json
 import random
+import re
 
 from inferlet import HostError, chat, model, reasoning, session, tools
 from inferlet.eta import (Channel, ForwardPass, Pipeline, StateGeometry, WorkingSet, cast, cummass_le, dtype, eq,
@@ -80,6 +88,9 @@ MAX_TOP_LOGPROBS = 20
 # use natively): an earlier call is written back into the conversation in it, and a reply's
 # content ends where a call opens.
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+# The start of a call's JSON up to its arguments (Hermes writes "arguments", Llama 3 "parameters")
+CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+THINK_CLOSE = "</think>"
 
 
 class Refused(Exception):
@@ -108,6 +119,11 @@ def number(input: dict, key: str, default, low=None, high=None, kind=float):
 
 # ---- the prompt --------------------------------------------------------------------------------
 
+def thinks() -> bool:
+    """Whether the model has a thinking mode (its template cues thinking differently)."""
+    return chat.cue_thinking(True) != chat.cue_without_thinking()
+
+
 def call_text(call: dict) -> str:
     """An earlier assistant call, as the model writes one."""
     try:
@@ -134,12 +150,24 @@ def conversation(messages: list, specs: list | None) -> list:
         elif role == "assistant":
             calls = m.get("tool_calls") or []
             names.update({c.get("id"): c.get("name") for c in calls})
-            tokens += chat.assistant("\n".join([text] * bool(text) + [call_text(c) for c in calls]))
+            text = "\n".join([text] * bool(text) + [call_text(c) for c in calls])
+            if m.get("thinking") and thinks():
+                # the turn as the model wrote it: the template would drop its thinking, as it does
+                # the thinking of every turn before a later one
+                written = f"{m['thinking']}\n{THINK_CLOSE}\n\n{text}"
+                tokens += chat.cue_thinking(True) + model.encode(written) + chat.seal()
+            else:
+                tokens += chat.assistant(text)
         elif role == "tool":
             tokens += tools.answer(m.get("name") or names.get(m.get("tool_call_id")) or "tool", text)
         elif role != "system":
             raise Refused(f"unknown message role {role!r}", "messages")
     return tokens
+
+
+def token_ids(prompt) -> bool:
+    """Whether `prompt` is a prompt of token ids (a non-empty list of integers)."""
+    return isinstance(prompt, list) and bool(prompt) and all(type(t) is int for t in prompt)
 
 
 # ---- the request -------------------------------------------------------------------------------
@@ -165,7 +193,10 @@ class Request:
         self.stops = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
         self.ignore_eos = bool(input.get("ignore_eos"))
         self.stream = input.get("stream", True) is not False
-        self.max_tokens = number(input, "max_tokens", None, 1, kind=int)
+        # more than the context could ever hold is a mistake, refused as the APIs refuse it
+        self.max_tokens = number(input, "max_tokens", None, 1, model.max_position(), kind=int)
+        if self.max_tokens is None:
+            self.max_tokens = number(input, "default_max_tokens", None, 1, kind=int)
         self.specs = self._tools(input)
         self.calls_end_reply = input.get("parallel_tool_calls") is not True
         self.grammar = self._grammar(input.get("response_format") or {})
@@ -240,14 +271,16 @@ class Request:
             thinking = thinking and cue != chat.cue_without_thinking()    # the model has a thinking mode
             return [conversation(input["messages"], self.specs) + cue], [""], thinking
         prompts = input.get("prompt")
-        prompts = [prompts] if isinstance(prompts, str) else prompts
-        if not prompts or not all(isinstance(p, str) for p in prompts):
-            raise Refused("prompt must be a string or a list of strings", "prompt")
+        prompts = [prompts] if isinstance(prompts, str) or token_ids(prompts) else prompts
+        if not prompts or not all(isinstance(p, str) or token_ids(p) for p in prompts):
+            raise Refused("prompt must be a string, a list of token ids, or a list of either", "prompt")
         echo = bool(input.get("echo"))
-        tokens = [chat.prefix() + model.encode(p) for p in prompts]
+        tokens = [chat.prefix() + model.encode(p) if isinstance(p, str) else [self._token(t, "prompt") for t in p]
+                  for p in prompts]
         if not all(tokens):                       # a pass needs a token, and the model has no BOS to begin with
             raise Refused("prompt: an empty prompt gives the model nothing to continue", "prompt")
-        return tokens, [p if echo else "" for p in prompts], False
+        shown = [p if isinstance(p, str) else model.decode(p) for p in prompts] if echo else [""] * len(prompts)
+        return tokens, shown, False
 
     def budget(self, prompt: list) -> int:
         """The most tokens a reply to `prompt` may have: max_tokens, capped at the context's end."""
@@ -408,6 +441,7 @@ class Reply:
         self.gate = Gate(request.stops, [CALL_OPEN] if request.specs else [])
         self.ws = None
         self.tokens, self.shown, self.thought, self.tool_calls = [], [], [], []
+        self.cut_call = None
         self.entries, self.unsent = [], []        # logprobs entries: all of them, and those not sent yet
         self.content_open = True
         self.finish_reason = self.stop_sequence = None
@@ -519,6 +553,15 @@ class Reply:
                 self._show(event.text)
             event = self.calls.feed([])
 
+    def _cut(self, event) -> None:
+        """A call the length cut off (an Error event of the decoder's finish) is kept, not dropped."""
+        if isinstance(event, tools.Event.Error):
+            head = CALL_HEAD.match(event.text)
+            self.cut_call = {"index": len(self.tool_calls), "id": "call_%016x" % random.getrandbits(64),
+                             "text": event.text, "name": json.loads(head[1]) if head else None,
+                             "arguments": event.text[head.end():] if head else None}
+            self._send("cut_call", **self.cut_call)
+
     def _show(self, text: str, last: bool = False) -> None:
         """Stream `text` (with the logprobs of the tokens not sent yet); the last piece goes out
         even when it is empty, to carry the remaining logprobs."""
@@ -537,13 +580,15 @@ class Reply:
             reason = "stop_sequence"
         if self.tool_calls and reason != "length":
             reason = "tool_calls"
+        if reason == "length" and self.calls is not None:
+            self._cut(self.calls.finish())
         self.finish_reason, self.stop_sequence = reason, stop_sequence
         self._send("finish", reason=reason, stop_sequence=stop_sequence)
         return False
 
     def result(self) -> dict:
         return {"index": self.index, "text": "".join(self.shown), "thinking": "".join(self.thought) or None,
-                "tool_calls": self.tool_calls, "finish_reason": self.finish_reason,
+                "tool_calls": self.tool_calls, "cut_call": self.cut_call, "finish_reason": self.finish_reason,
                 "stop_sequence": self.stop_sequence, "logprobs": self.entries if self.request.logprobs else None}
 
 
