@@ -56,7 +56,8 @@ STREAMS, CANCELLED, MAX_TOKENS = 100, 10, 12
 
 @pytest.fixture(scope="module")
 def server(default_model_dir):
-    with start(default_model_dir, api_keys=(KEY,), num_pages=1024) as s:
+    # the engine in this process: the tests check its KV pool's own invariants (kv.check)
+    with start(default_model_dir, api_keys=(KEY,), num_pages=1024, engine_process=False) as s:
         yield s
 
 

@@ -22,7 +22,8 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def server(default_model_dir):
-    with start(default_model_dir, api_keys=(KEY, OTHER), stored_responses=8) as s:
+    # the engine in this process: the tests check its KV pool's own invariants (kv.check)
+    with start(default_model_dir, api_keys=(KEY, OTHER), stored_responses=8, engine_process=False) as s:
         yield s
 
 
