@@ -148,7 +148,9 @@ def main() -> None:
             rows += program_rows
         if "ray" in args.paths:
             import ray
-            ray.init(address="local", include_dashboard=False, log_to_driver=False)
+            from pie_actors.controller import NAMESPACE      # the runtime's detached actors live there
+
+            ray.init(address="local", include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
             try:
                 with Runtime.connect(**settings) as cluster:
                     rows += measure(kind, "ray", cluster, None, loops, clients, args.tokens, args.rounds, generate)

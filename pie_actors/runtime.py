@@ -539,6 +539,7 @@ def start_ray(address: str | None = None) -> bool:
         return False
     found = cluster_address(address)
     own = {} if found else {"include_dashboard": False}    # none running: a local one, for this runtime
-    ray.init(address=found or "local", **own, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR",
-             configure_logging=False)
+    # Ray's own logger at ERROR: its notices (e.g. that it turned token authentication on, its default)
+    # are not the product's lines; with configure_logging=False they reached stderr all the same
+    ray.init(address=found or "local", **own, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
     return True

@@ -85,7 +85,9 @@ def on_a_cluster(**settings: Any) -> Iterator[Runtime]:
     """`Runtime.connect(**settings)` on a new Ray cluster of this machine (two CPUs), shut down after."""
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from pie_actors.controller import NAMESPACE      # the runtime's detached actors live there
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
     try:
         with Runtime.connect(**settings) as runtime:
             yield runtime

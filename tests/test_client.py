@@ -12,7 +12,7 @@ from pie_actors import Done, InferletError, Send
 from pie_actors.cli import client_main
 from pie_actors.client import Client, Detached, RequestError
 from pie_actors.inferlet.chat_ops import chat_tokens
-from serve_helpers import KEY, chat_prompt, idle, start
+from serve_helpers import KEY, chat_prompt, idle, reference_engine, start
 
 CHAT = Path(__file__).resolve().parent.parent / "examples" / "interactive_chat"
 SYSTEM = "You are a helpful assistant."                # the example's default
@@ -29,7 +29,7 @@ def server(default_model_dir):
 
 def test_a_five_turn_chat_computes_only_each_new_turn_and_matches_fresh_greedy_runs(server):
     start_pages = idle(server)["kv"]["referenced"]
-    chat = chat_tokens(server.runtime.engine.tokenizer)
+    chat = chat_tokens(reference_engine(server).tokenizer)
     client = Client(server.url, KEY)
     process = client.submit(CHAT, {"max_tokens": MAX_TOKENS, "system": SYSTEM}, name="chat", timeout=600)
     events, turns, computed = process.events(timeout=120), [], []
@@ -52,7 +52,7 @@ def test_a_five_turn_chat_computes_only_each_new_turn_and_matches_fresh_greedy_r
     assert list(events)[-1] == Done({"turns": [{k: v for k, v in t.items() if k != "turn"} for t in turns]})
 
     # the references: each turn's whole transcript, rendered by the template, decoded greedily
-    engine, messages, prompts = server.runtime.engine, [{"role": "system", "content": SYSTEM}], []
+    engine, messages, prompts = reference_engine(server), [{"role": "system", "content": SYSTEM}], []
     for text, turn in zip(TURNS, turns):
         messages.append({"role": "user", "content": text})
         prompts.append(chat_prompt(server, messages))

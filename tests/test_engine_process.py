@@ -1,5 +1,5 @@
-"""pie serve with its engine in a child process (`Runtime.local(engine_process=True)`, `pie serve
---local --engine-process`): replies equal the in-process engine's greedy decoding, streamed or not,
+"""pie serve with its engine in a child process (`Runtime.local(engine_process=True)`, what `pie serve
+--local` and `Server()` run): replies equal the in-process engine's greedy decoding, streamed or not,
 saved working sets are listed and deleted through the child, every page returns, and the child's
 engine stops serving when the server closes."""
 from __future__ import annotations
