@@ -8,9 +8,12 @@ ChatTokens.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
+
+from typing_extensions import TypedDict
 
 from .host import HostOpError
+from .host_op import Text, host_op, shape
 
 if TYPE_CHECKING:      # run_state.py imports chat_tokens from here
     from .run_state import RunState
@@ -191,64 +194,73 @@ def chat_tokens(tokenizer) -> ChatTokens:
     return ChatTokens(tokenizer)
 
 
-def _text(args: Any, what: str) -> str:
-    if not isinstance(args, str):
-        raise HostOpError(f"{what} takes a string")
-    return args
+@shape
+class SystemUser(TypedDict):
+    system: str
+    user: str
+
+
+@shape
+class SystemThinking(TypedDict):
+    text: str
+    effort: str
+
+
+@shape
+class Thinking(TypedDict):
+    thinking: bool
 
 
 class ChatOps:
+    interface = "chat"
+
     def __init__(self, run: RunState) -> None:
         self.run = run
 
-    def ops(self) -> dict[str, Callable[[Any], Any]]:
-        return {
-            "chat.prefix": self.prefix, "chat.system": self.system, "chat.user": self.user,
-            "chat.assistant": self.assistant, "chat.system_user": self.system_user,
-            "chat.first_user": self.first_user, "chat.system_thinking": self.system_thinking,
-            "chat.cue": self.cue, "chat.cue_without_thinking": self.cue_without_thinking,
-            "chat.cue_thinking": self.cue_thinking, "chat.seal": self.seal,
-            "chat.stop_tokens": self.stop_tokens,
-        }
-
-    def prefix(self, args: Any) -> list[int]:
+    @host_op("chat.prefix")
+    def prefix(self) -> list[int]:
         return self.run.chat.prefix()
 
-    def system(self, text: Any) -> list[int]:
-        return self.run.chat.system(_text(text, "chat.system"))
+    @host_op("chat.system", Text)
+    def system(self, text: str) -> list[int]:
+        return self.run.chat.system(text)
 
-    def user(self, text: Any) -> list[int]:
-        return self.run.chat.user(_text(text, "chat.user"))
+    @host_op("chat.user", Text)
+    def user(self, text: str) -> list[int]:
+        return self.run.chat.user(text)
 
-    def assistant(self, text: Any) -> list[int]:
-        return self.run.chat.assistant(_text(text, "chat.assistant"))
+    @host_op("chat.assistant", Text)
+    def assistant(self, text: str) -> list[int]:
+        return self.run.chat.assistant(text)
 
-    def system_user(self, args: Any) -> list[int]:
-        if not (isinstance(args, list) and len(args) == 2):
-            raise HostOpError("chat.system_user takes [system, user]")
-        return self.run.chat.system_user(_text(args[0], "chat.system_user"), _text(args[1], "chat.system_user"))
+    @host_op("chat.system_user", SystemUser, wire="list")
+    def system_user(self, system: str, user: str) -> list[int]:
+        return self.run.chat.system_user(system, user)
 
-    def first_user(self, text: Any) -> list[int]:
-        return self.run.chat.first_user(_text(text, "chat.first_user"))
+    @host_op("chat.first_user", Text)
+    def first_user(self, text: str) -> list[int]:
+        return self.run.chat.first_user(text)
 
-    def system_thinking(self, args: Any) -> list[int]:
-        if not (isinstance(args, list) and len(args) == 2):
-            raise HostOpError("chat.system_thinking takes [text, effort]")
-        return self.run.chat.system_thinking(_text(args[0], "chat.system_thinking"), args[1])
+    @host_op("chat.system_thinking", SystemThinking, wire="list")
+    def system_thinking(self, text: str, effort: str) -> list[int]:
+        return self.run.chat.system_thinking(text, effort)
 
-    def cue(self, args: Any) -> list[int]:
+    @host_op("chat.cue")
+    def cue(self) -> list[int]:
         return self.run.chat.cue()
 
-    def cue_without_thinking(self, args: Any) -> list[int]:
+    @host_op("chat.cue_without_thinking")
+    def cue_without_thinking(self) -> list[int]:
         return self.run.chat.cue_without_thinking()
 
-    def cue_thinking(self, thinking: Any) -> list[int]:
-        if not isinstance(thinking, bool):
-            raise HostOpError("chat.cue_thinking takes true or false")
+    @host_op("chat.cue_thinking", Thinking)
+    def cue_thinking(self, thinking: bool) -> list[int]:
         return self.run.chat.cue_thinking(thinking)
 
-    def seal(self, args: Any) -> list[int]:
+    @host_op("chat.seal")
+    def seal(self) -> list[int]:
         return self.run.chat.seal()
 
-    def stop_tokens(self, args: Any) -> list[int]:
+    @host_op("chat.stop_tokens")
+    def stop_tokens(self) -> list[int]:
         return self.run.chat.stop_tokens()

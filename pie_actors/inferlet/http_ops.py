@@ -26,10 +26,13 @@ import base64
 import ipaddress
 import socket
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import urljoin, urlsplit
 
+from typing_extensions import NotRequired, TypedDict
+
 from .host import HostOpError
+from .host_op import host_op, shape
 from .run_state import RunState
 
 __all__ = ["HttpOps", "own_addresses"]
@@ -62,37 +65,40 @@ def own_addresses() -> set[str]:
     return found
 
 
+@shape
+class Fetch(TypedDict):
+    url: str
+    method: NotRequired[str | None]                 # GET by default
+    headers: NotRequired[dict[str, str] | None]
+    body: NotRequired[str | None]                   # base64
+    timeout: NotRequired[float | None]              # seconds, at most limits.http_timeout_s
+
+
 class HttpOps:
+    interface = "http"
+
     def __init__(self, run: RunState) -> None:
         self.run = run
         self.allowed = {h.lower() for h in run.limits.allow_hosts}
         self._own: set[str] | None = None
 
-    def ops(self) -> dict[str, Callable[[Any], Any]]:
-        return {"http.fetch": self.fetch}
-
-    def fetch(self, args: Any) -> int:
-        if not isinstance(args, dict) or not isinstance(args.get("url"), str):
-            raise HostOpError("http.fetch takes {url, method, headers, body, timeout}")
-        method = str(args.get("method") or "GET").upper()
+    @host_op("http.fetch", Fetch)
+    def fetch(self, url: str, method: str | None = None, headers: dict[str, str] | None = None,
+              body: str | None = None, timeout: float | None = None) -> int:
+        """A future of the response {status, url, headers: [[name, value]], body: base64}."""
+        method = (method or "GET").upper()
         if method not in METHODS:
             raise HostOpError(f"refused: http.fetch: method {method!r} is not one of {', '.join(METHODS)}")
-        headers = args.get("headers") or {}
-        if not (isinstance(headers, dict) and all(isinstance(k, str) and isinstance(v, str)
-                                                  for k, v in headers.items())):
-            raise HostOpError("http.fetch: headers map names to text")
-        body = args.get("body")
-        body = None if body is None else base64.b64decode(body)
+        headers = headers or {}
+        content = None if body is None else base64.b64decode(body)
         limit = self.run.limits.http_timeout_s
-        timeout = min(float(args.get("timeout") or limit), limit)
-        timeout = self.run.time_left(timeout)
-        url = args["url"]
+        timeout = self.run.time_left(min(timeout or limit, limit))
         try:
             self._check_listed(url)
         except _Refused as e:
             raise HostOpError(f"refused: {e}") from None
         fid = self.run.futures.new()
-        self.run.start_task(self._fetch(fid, method, url, headers, body, timeout))
+        self.run.start_task(self._fetch(fid, method, url, headers, content, timeout))
         return fid
 
     def _check_listed(self, url: str) -> str:

@@ -8,7 +8,7 @@ and chat pieces. Nothing else is shared between the glue classes.
 A run is given its engine's address, or an `EngineChoice`: one of the model's engine replicas is
 chosen at the run's first pass (`bind`), by the tokens it starts with (the replica caching most of
 them), and the run connects only then. Until then the glue classes keep what they make for the
-engine (eta_ops.py).
+engine (engine_link.py).
 
 The host loop (`host_loop`) is one event-loop thread for all the runs of a process, started with
 the first, rather than one a run: a run's own loop thread woke twice a token and contended for the
@@ -104,8 +104,8 @@ class RunState:
         self.restartable = False     # runtime.declare_restartable: may run again if its engine is lost
         self.tokens = 0              # what the run cost the engine (`close` reads it), its ended children's too
         self.client: EngineClient | None = None         # None until `bind`, with an EngineChoice
-        self.on_push: Callable[[dict], None] | None = None   # engine pushes (eta_ops.py)
-        self.on_receive: Callable[[int], None] | None = None   # the future of a message awaited (eta_ops.py)
+        self.on_push: Callable[[dict], None] | None = None   # engine pushes (channel_ops.py)
+        self.on_receive: Callable[[int], None] | None = None   # the future of a message awaited (pass_ops.py)
         self._choice = engine if isinstance(engine, EngineChoice) else None
         try:
             if self._choice is None:

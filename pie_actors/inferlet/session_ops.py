@@ -8,15 +8,18 @@ process's `send_to`) through `deliver` / `deliver_file` and are handed, in order
 pending `receive` / `receive_from` / `receive_file` futures. The mailbox is bounded for messages
 from processes (`limits.mailbox_size`: a sender finding it full waits, then fails); the client's
 messages are always taken. A run that waits for a message parks after `limits.park_after_s`
-(`RunState.on_receive`, eta_ops.py).
+(`RunState.on_receive`, pass_ops.py).
 """
 from __future__ import annotations
 
 import base64
-from typing import Any, Callable
+from typing import Any
+
+from typing_extensions import TypedDict
 
 from ..process import File
 from .host import HostOpError, Inbox
+from .host_op import Name, host_op, shape
 from .peers import Peers, send_within
 from .run_state import RunState
 
@@ -27,27 +30,33 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
-def _unb64(text: Any, what: str) -> bytes:
-    if not isinstance(text, str):
-        raise HostOpError(f"{what} takes base64 text")
+def _unb64(text: str, what: str) -> bytes:
     try:
         return base64.b64decode(text, validate=True)
     except ValueError:
         raise HostOpError(f"{what}: invalid base64 data") from None
 
 
+@shape
+class Data(TypedDict):
+    data: str          # base64
+
+
+@shape
+class SendTo(TypedDict):
+    to: str            # a process name
+    message: Any
+
+
 class SessionOps:
+    interface = "session"
+
     def __init__(self, run: RunState, files: dict[str, bytes] | None, peers: Peers | None) -> None:
         self.run = run
         self.files = dict(files or {})
         self.peers = peers
         self.inbox = Inbox(run.futures, convert=_message, capacity=run.limits.mailbox_size)   # (sender, message)
         self.file_inbox = Inbox(run.futures)
-
-    def ops(self) -> dict[str, Callable[[Any], Any]]:
-        return {"session.receive": self.receive, "session.receive_from": self.receive_from,
-                "session.receive_file": self.receive_file, "session.send_file": self.send_file,
-                "session.file": self.file, "session.send_to": self.send_message_to}
 
     def deliver(self, message: Any, sender: str | None = None) -> bool:
         """A message for `session.receive` (any thread): from the client (`sender` None: always
@@ -61,38 +70,42 @@ class SessionOps:
         """Binary data for `session.receive_file` (any thread)."""
         self.file_inbox.put(_b64(data))
 
-    def receive(self, args: Any) -> int:
+    @host_op("session.receive")
+    def receive(self) -> int:
         return self._waiting(self.inbox.receive())
 
-    def receive_from(self, args: Any) -> int:
+    @host_op("session.receive_from")
+    def receive_from(self) -> int:
         return self._waiting(self.inbox.receive(convert=list))
 
     def _waiting(self, fid: int) -> int:
-        # a run that waits long for a message parks (eta_ops.py)
+        # a run that waits long for a message parks (pass_ops.py)
         if self.run.on_receive is not None:
             self.run.on_receive(fid)
         return fid
 
-    def receive_file(self, args: Any) -> int:
+    @host_op("session.receive_file")
+    def receive_file(self) -> int:
         return self.file_inbox.receive()
 
-    def send_file(self, data: Any) -> None:
+    @host_op("session.send_file", Data)
+    def send_file(self, data: str) -> None:
         self.run.emit(File(_unb64(data, "session.send_file")))
 
-    def file(self, name: Any) -> str:
+    @host_op("session.file", Name)
+    def file(self, name: str) -> str:
         if name not in self.files:
             attached = ", ".join(sorted(self.files)) or "none"
             raise HostOpError(f"no file named {name!r} was attached (attached: {attached}; "
                               "attach files with pie run --file name=path)")
         return _b64(self.files[name])
 
-    def send_message_to(self, args: Any) -> None:
-        if not (isinstance(args, list) and len(args) == 2 and isinstance(args[0], str)):
-            raise HostOpError("session.send_to takes a process name and a message")
+    @host_op("session.send_to", SendTo, wire="list")
+    def send_to(self, to: str, message: Any) -> None:
         if self.peers is None:
             raise HostOpError("session.send_to needs named processes: launch the inferlet through the "
                               "launch API (pie run, Runtime.launch)")
-        send_within(self.peers, args[0], args[1], self.run.time_left(self.run.limits.send_timeout_s))
+        send_within(self.peers, to, message, self.run.time_left(self.run.limits.send_timeout_s))
 
 
 def _message(item: tuple[str | None, Any]) -> Any:

@@ -13,11 +13,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
+
+from typing_extensions import NotRequired, TypedDict
 
 from ..launch import Launch
 from ..program import Program
 from .host import HostOpError, InferletError
+from .host_op import Handle, host_op, shape
 from .peers import Peers
 from .run_state import RunState
 
@@ -34,16 +37,31 @@ class _Child:
     result: concurrent.futures.Future       # main's output, read from the child's events
 
 
+@shape
+class ChildProgram(TypedDict):
+    module: NotRequired[str]       # a module of this run's bundle
+    source: NotRequired[str]       # or the child's source text
+
+
+@shape
+class Spawn(TypedDict):
+    program: ChildProgram
+    input: NotRequired[Any]
+    name: NotRequired[str | None]
+    detached: NotRequired[bool]
+    node: NotRequired[str | None]
+    model: NotRequired[str | None]
+
+
 class SpawnOps:
+    interface = "runtime"
+
     def __init__(self, run: RunState, peers: Peers | None, program: Program | None) -> None:
         self.run, self.peers, self.program = run, peers, program
         self.children: dict[int, _Child] = {}
 
-    def ops(self) -> dict[str, Callable[[Any], Any]]:
-        return {"runtime.spawn": self.spawn, "runtime.result": self.result, "runtime.kill": self.kill,
-                "runtime.name": self.name, "runtime.declare_restartable": self.declare_restartable}
-
-    def declare_restartable(self, args: Any) -> None:
+    @host_op("runtime.declare_restartable")
+    def declare_restartable(self) -> None:
         self.run.restartable = True
         if self.peers is not None:          # its runtime runs it again if its host is lost too
             self.peers.declare_restartable()
@@ -54,28 +72,25 @@ class SpawnOps:
                               "API (pie run, Runtime.launch)")
         return self.peers
 
-    def name(self, args: Any) -> str:
+    @host_op("runtime.name")
+    def name(self) -> str:
         """This process's name (what other processes' send_to use)."""
         return self._peers().sender
 
-    def spawn(self, args: Any) -> dict[str, Any]:
-        if not isinstance(args, dict) or not isinstance(args.get("program"), dict):
-            raise HostOpError("runtime.spawn takes {program: {module | source}, input, name, detached, node, model}")
+    @host_op("runtime.spawn", Spawn)
+    def spawn(self, program: ChildProgram, input: Any = None, name: str | None = None, detached: bool = False,
+              node: str | None = None, model: str | None = None) -> dict[str, Any]:
         peers = self._peers()
-        detached = bool(args.get("detached"))
         limits = self.run.limits
         if not detached:               # a child that ends with its parent needs no later deadline
             limits = dataclasses.replace(limits, timeout_s=self.run.time_left(limits.timeout_s))
-        for key in ("name", "node", "model"):
-            if args.get(key) is not None and not isinstance(args[key], str):
-                raise HostOpError(f"runtime.spawn: {key} must be a string")
         if limits.inferlets and (running := peers.running()) >= limits.inferlets:
             raise HostOpError(f"runtime.spawn: this owner runs {running} inferlets, its bound "
                               "(limits.inferlets; pie serve: [serve.quotas]): wait for one to end")
         try:
-            launch = Launch(self._program(args["program"]), args.get("input") or {}, limits=limits,
-                            owner=self.run.owner, name=args.get("name"), node=args.get("node"))
-            process = peers.launch(launch, model=args.get("model"))
+            launch = Launch(self._program(program), input or {}, limits=limits,
+                            owner=self.run.owner, name=name, node=node)
+            process = peers.launch(launch, model=model)
         except (ValueError, KeyError) as e:      # a name in use, an unknown node or model
             raise HostOpError(f"runtime.spawn: {e}") from None
         result = asyncio.run_coroutine_threadsafe(process.aresult(), self.run.loop)
@@ -83,12 +98,12 @@ class SpawnOps:
         self.children[cid] = _Child(process, detached, result)
         return {"id": cid, "name": process.name}
 
-    def _program(self, spec: dict[str, Any]) -> Program:
+    def _program(self, spec: ChildProgram) -> Program:
         """The child's program: `source` text, or `module` of this run's bundle."""
-        if isinstance(spec.get("source"), str):
+        if "source" in spec:
             return Program(source=spec["source"])
         module = spec.get("module")
-        if not isinstance(module, str):
+        if module is None:
             raise HostOpError("runtime.spawn: the program is a module name or source text")
         bundle = self.program.bundle if self.program is not None else None
         if bundle is None:
@@ -101,15 +116,16 @@ class SpawnOps:
         raise HostOpError(f"runtime.spawn: the bundle has no module {module!r} (modules: "
                           f"{', '.join(sorted(r[:-3].replace('/', '.') for r in bundle))})")
 
-    def _child(self, args: Any) -> _Child:
-        child = self.children.get(args) if isinstance(args, int) else None
+    def _child(self, handle: int) -> _Child:
+        child = self.children.get(handle)
         if child is None:
-            raise HostOpError(f"no spawned process {args!r}")
+            raise HostOpError(f"no spawned process {handle!r}")
         return child
 
-    def result(self, args: Any) -> int:
+    @host_op("runtime.result", Handle)
+    def result(self, handle: int) -> int:
         """A future of the child's output; it fails with the child's error."""
-        child, fid = self._child(args), self.run.futures.new()
+        child, fid = self._child(handle), self.run.futures.new()
 
         def settle(done: concurrent.futures.Future) -> None:
             try:
@@ -122,8 +138,9 @@ class SpawnOps:
         child.result.add_done_callback(settle)
         return fid
 
-    def kill(self, args: Any) -> None:
-        self._child(args).process.kill(f"killed by its parent {self._peers().sender!r}")
+    @host_op("runtime.kill", Handle)
+    def kill(self, handle: int) -> None:
+        self._child(handle).process.kill(f"killed by its parent {self._peers().sender!r}")
 
     def close(self) -> None:
         """The run ended: cancel the children that are not detached and still run, and stop

@@ -5,15 +5,7 @@ Each receives the run's `RunState` (for `tok`, the model's Tokenizer, `chat`, it
 holds integer handles, and the grammars, matchers and decoders behind them live there, whichever
 interface made them (`tools.grammar` makes a grammar for `grammar.matcher`).
 
-    grammar.compile [kind, source] -> grammar     kind: json_schema | regex | ebnf | json
-    grammar.matcher grammar -> matcher
-    grammar.mask matcher -> [int32 words]         grammar.accept [matcher, tokens] -> bool
-    grammar.is_terminated matcher -> bool         grammar.fork matcher -> matcher
-    grammar.rollback [matcher, n]                 grammar.reset matcher
-    tools.equip {"specs", "system"} -> tokens     tools.answer [name, value] -> tokens
-    tools.grammar specs -> grammar                tools.decoder -> decoder
-    tools.feed [decoder, tokens] -> events        tools.finish decoder -> events
-    reasoning.decoder cue_tokens -> decoder       reasoning.feed [decoder, tokens] -> events
+Each op's arguments and result: the table in ops.py.
 
 Bad input (an invalid schema, regex or grammar, unknown handles, malformed tool specs) fails
 the operation with a message; the guest sees HostError.
@@ -21,10 +13,13 @@ the operation with a message; the guest sees HostError.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Literal
+
+from typing_extensions import NotRequired, TypedDict
 
 from .grammar import Grammar, GrammarCompiler, Matcher
 from .host import HostOpError
+from .host_op import Handle, HandleTokens, Tokens, host_op, shape
 from .reasoning import ReasoningDecoder
 from .run_state import RunState
 from .tools import ToolCallDecoder, ToolFormat
@@ -36,9 +31,9 @@ def _clean_errors(op: Callable) -> Callable:
     """Report the plain classes' ValueErrors (GrammarError, ToolError, bad token ids) as the
     operation's own message, without a Python type name in front."""
     @functools.wraps(op)
-    def wrapped(self, args):
+    def wrapped(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return op(self, args)
+            return op(self, *args, **kwargs)
         except HostOpError:
             raise
         except ValueError as e:
@@ -46,16 +41,33 @@ def _clean_errors(op: Callable) -> Callable:
     return wrapped
 
 
-def _tokens(value: Any, what: str) -> list[int]:
-    if not isinstance(value, list) or any(type(t) is not int for t in value):
-        raise HostOpError(f"{what} takes a list of token ids")
-    return value
+@shape
+class Compile(TypedDict):
+    kind: Literal["json_schema", "regex", "ebnf", "json"]
+    source: dict[str, Any] | str | None      # a JSON schema (or its text), a regex, a grammar; json: null
 
 
-def _pair(args: Any, what: str) -> tuple[Any, Any]:
-    if not (isinstance(args, list) and len(args) == 2):
-        raise HostOpError(f"{what} takes two arguments")
-    return args[0], args[1]
+@shape
+class Rollback(TypedDict):
+    handle: int
+    n: int
+
+
+@shape
+class Equip(TypedDict):
+    specs: list[dict[str, Any]]       # OpenAI-style tool specs, or their bare function objects
+    system: NotRequired[str | None]
+
+
+@shape
+class Answer(TypedDict):
+    name: str
+    value: Any
+
+
+@shape
+class Specs(TypedDict):
+    specs: list[dict[str, Any]]       # OpenAI-style tool specs, or their bare function objects
 
 
 @functools.lru_cache(maxsize=8)
@@ -82,126 +94,121 @@ class HandleTable:
         self._objects[handle] = obj
         return handle
 
-    def get(self, handle: Any, kind: type, what: str) -> Any:
+    def get(self, handle: int, kind: type, what: str) -> Any:
         """The object of `handle`, which must be a `kind` (`what` names it in the error)."""
-        obj = self._objects.get(handle) if type(handle) is int else None
+        obj = self._objects.get(handle)
         if not isinstance(obj, kind):
             raise HostOpError(f"unknown {what} {handle!r}")
         return obj
 
 
 class GrammarOps:
+    interface = "grammar"
+
     def __init__(self, run: RunState, handles: HandleTable) -> None:
         self.run, self.handles = run, handles
 
-    def ops(self) -> dict[str, Callable[[Any], Any]]:
-        return {
-            "grammar.compile": self.compile, "grammar.matcher": self.matcher, "grammar.mask": self.mask,
-            "grammar.accept": self.accept, "grammar.is_terminated": self.is_terminated,
-            "grammar.fork": self.fork, "grammar.rollback": self.rollback, "grammar.reset": self.reset,
-        }
-
-    def _matcher(self, handle: Any) -> Matcher:
+    def _matcher(self, handle: int) -> Matcher:
         return self.handles.get(handle, Matcher, "matcher")
 
+    @host_op("grammar.compile", Compile, wire="list")
     @_clean_errors
-    def compile(self, args: Any) -> int:
-        kind, source = _pair(args, "grammar.compile")
+    def compile(self, kind: str, source: dict[str, Any] | str | None) -> int:
         compiler = grammar_compiler(self.run)
-        build = {"json_schema": compiler.json_schema, "regex": compiler.regex, "ebnf": compiler.ebnf}
         if kind == "json":
             return self.handles.put(compiler.any_json())
-        if kind not in build:
-            raise HostOpError(f"unknown grammar kind {kind!r}")
+        build = {"json_schema": compiler.json_schema, "regex": compiler.regex, "ebnf": compiler.ebnf}
         return self.handles.put(build[kind](source))
 
+    @host_op("grammar.matcher", Handle)
     @_clean_errors
-    def matcher(self, handle: Any) -> int:
+    def matcher(self, handle: int) -> int:
         return self.handles.put(Matcher(self.handles.get(handle, Grammar, "grammar")))
 
+    @host_op("grammar.mask", Handle)
     @_clean_errors
-    def mask(self, handle: Any) -> list[int]:
+    def mask(self, handle: int) -> list[int]:
         return self._matcher(handle).mask()
 
+    @host_op("grammar.accept", HandleTokens, wire="list")
     @_clean_errors
-    def accept(self, args: Any) -> bool:
-        handle, tokens = _pair(args, "grammar.accept")
-        return self._matcher(handle).accept_tokens(_tokens(tokens, "grammar.accept"))
+    def accept(self, handle: int, tokens: list[int]) -> bool:
+        return self._matcher(handle).accept_tokens(tokens)
 
+    @host_op("grammar.is_terminated", Handle)
     @_clean_errors
-    def is_terminated(self, handle: Any) -> bool:
+    def is_terminated(self, handle: int) -> bool:
         return self._matcher(handle).is_terminated()
 
+    @host_op("grammar.fork", Handle)
     @_clean_errors
-    def fork(self, handle: Any) -> int:
+    def fork(self, handle: int) -> int:
         return self.handles.put(self._matcher(handle).fork())
 
+    @host_op("grammar.rollback", Rollback, wire="list")
     @_clean_errors
-    def rollback(self, args: Any) -> None:
-        handle, n = _pair(args, "grammar.rollback")
+    def rollback(self, handle: int, n: int) -> None:
         self._matcher(handle).rollback(n)
 
+    @host_op("grammar.reset", Handle)
     @_clean_errors
-    def reset(self, handle: Any) -> None:
+    def reset(self, handle: int) -> None:
         self._matcher(handle).reset()
 
 
 class ToolOps:
+    interface = "tools"
+
     def __init__(self, run: RunState, handles: HandleTable) -> None:
         self.run, self.handles = run, handles
-
-    def ops(self) -> dict[str, Callable[[Any], Any]]:
-        return {"tools.equip": self.equip, "tools.answer": self.answer, "tools.grammar": self.grammar,
-                "tools.decoder": self.decoder, "tools.feed": self.feed, "tools.finish": self.finish}
 
     def _format(self) -> ToolFormat:
         return ToolFormat(self.run.chat.source)
 
+    @host_op("tools.equip", Equip)
     @_clean_errors
-    def equip(self, args: Any) -> list[int]:
-        if not isinstance(args, dict):
-            raise HostOpError('tools.equip takes {"specs": [...], "system": text or null}')
-        system = args.get("system")
-        if system is not None and not isinstance(system, str):
-            raise HostOpError("tools.equip: system must be text")
-        return self._format().equip(self.run.chat, args.get("specs"), system)
+    def equip(self, specs: list[dict[str, Any]], system: str | None = None) -> list[int]:
+        return self._format().equip(self.run.chat, specs, system)
 
+    @host_op("tools.answer", Answer, wire="list")
     @_clean_errors
-    def answer(self, args: Any) -> list[int]:
-        name, value = _pair(args, "tools.answer")
+    def answer(self, name: str, value: Any) -> list[int]:
         return self._format().answer(self.run.chat, name, value)
 
+    @host_op("tools.grammar", Specs)
     @_clean_errors
-    def grammar(self, specs: Any) -> int:
+    def grammar(self, specs: list[dict[str, Any]]) -> int:
         return self.handles.put(grammar_compiler(self.run).lark(self._format().grammar(specs, self.run.tok)))
 
+    @host_op("tools.decoder")
     @_clean_errors
-    def decoder(self, args: Any) -> int:
+    def decoder(self) -> int:
         return self.handles.put(ToolCallDecoder(self.run.tok, self._format().family))
 
+    @host_op("tools.feed", HandleTokens, wire="list")
     @_clean_errors
-    def feed(self, args: Any) -> list[dict]:
-        handle, tokens = _pair(args, "tools.feed")
-        return self.handles.get(handle, ToolCallDecoder, "tool decoder").feed(_tokens(tokens, "tools.feed"))
+    def feed(self, handle: int, tokens: list[int]) -> list[dict]:
+        return self.handles.get(handle, ToolCallDecoder, "tool decoder").feed(tokens)
 
+    @host_op("tools.finish", Handle)
     @_clean_errors
-    def finish(self, handle: Any) -> list[dict]:
+    def finish(self, handle: int) -> list[dict]:
         return self.handles.get(handle, ToolCallDecoder, "tool decoder").finish()
 
 
 class ReasoningOps:
+    interface = "reasoning"
+
     def __init__(self, run: RunState, handles: HandleTable) -> None:
         self.run, self.handles = run, handles
 
-    def ops(self) -> dict[str, Callable[[Any], Any]]:
-        return {"reasoning.decoder": self.decoder, "reasoning.feed": self.feed}
-
+    @host_op("reasoning.decoder", Tokens)
     @_clean_errors
-    def decoder(self, cue: Any) -> int:
-        return self.handles.put(ReasoningDecoder.for_cue(self.run.tok, _tokens(cue, "reasoning.decoder")))
+    def decoder(self, tokens: list[int]) -> int:
+        """A decoder of the reasoning that follows the reply's cue `tokens`."""
+        return self.handles.put(ReasoningDecoder.for_cue(self.run.tok, tokens))
 
+    @host_op("reasoning.feed", HandleTokens, wire="list")
     @_clean_errors
-    def feed(self, args: Any) -> list[dict]:
-        handle, tokens = _pair(args, "reasoning.feed")
-        decoder = self.handles.get(handle, ReasoningDecoder, "reasoning decoder")
-        return decoder.feed(_tokens(tokens, "reasoning.feed"))
+    def feed(self, handle: int, tokens: list[int]) -> list[dict]:
+        return self.handles.get(handle, ReasoningDecoder, "reasoning decoder").feed(tokens)
