@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench compat clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ test: setup
 
 bench: setup
 	$(PY) bench/engine.py
+
+# llama.cpp's server tests (from llama-cpp-python's sdist) against `pie serve --local`
+compat: setup
+	$(PY) bench/compat.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
