@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,8 +16,14 @@ from pie_actors import model_store
 from pie_actors.gpu.engine import wire
 from pie_actors.cli import main as pie_main
 from pie_actors.gpu.engine.data_plane import EngineServer
+from pie_actors.config import RunLimits
+from pie_actors.gpu.engine.engine import Engine
 from pie_actors.inferlet.engine_client import EngineClient, EngineError
-from tests.engine_helpers import decode, serve
+from pie_actors.inferlet.run import Run
+from pie_actors.launch import Launch
+from pie_actors.process import Done, Failed, Send
+from pie_actors.program import Program
+from tests.engine_helpers import decode, make_engine, serve
 
 PROMPTS = [
     "The capital of France is", "List three colors:", "def add(a, b):", "Water boils at",
@@ -251,6 +259,118 @@ def test_pending_calls_fail_when_the_connection_drops():
 
     outcomes = asyncio.run(main())
     assert all(isinstance(o, EngineError) and o.type == "ConnectionLost" for o in outcomes)
+
+
+# waits for a value of a channel nothing puts into, its subscription made before it says so
+TAKE_WAITS = """
+import asyncio
+from inferlet import runtime, session
+from inferlet.eta import Channel, dtype
+
+async def main(input):
+    if input["restartable"]:
+        runtime.declare_restartable()
+    never = Channel([1], dtype.i32)
+    take = asyncio.ensure_future(never.take_scalar())
+    await asyncio.sleep(0)
+    session.send("waiting")
+    return {"got": await take}
+"""
+# decodes by a run-ahead, saying each token, its working set holding pages meanwhile
+RUN_AHEAD_WAITS = """
+from inferlet import model, session
+from inferlet.eta import Channel, ForwardPass, Pipeline, StateGeometry, WorkingSet, dtype, intrinsics, reduce_argmax, reshape
+
+async def main(input):
+    ws, pipe = WorkingSet(), Pipeline()
+    feed = Channel([1], dtype.i32)
+    out = Channel([1], dtype.i32).capacity(model.channel_capacity())
+
+    def program():
+        token = reshape(reduce_argmax(intrinsics.output(0, "logits")), [1])
+        feed.put(token)
+        out.put(token)
+
+    first = ForwardPass()
+    first.embed(input["prompt"])
+    first.state([ws], StateGeometry.folding())
+    first.epilogue(program)
+    pipe.submit(first)
+    tokens = [await out.take_scalar()]
+    fwd = ForwardPass()
+    fwd.embed(feed)
+    fwd.state([ws], StateGeometry.folding())
+    fwd.epilogue(program)
+
+    async def on_token():
+        tokens.append(await out.take_scalar())
+        session.send(str(tokens[-1]))
+        return True
+
+    await pipe.run_ahead(fwd, 2000, on_token)
+    return {"tokens": tokens}
+"""
+
+
+@pytest.fixture
+def closable(default_model_dir):
+    """An engine of its own served on a local port, for a test that closes the server: (engine, server)."""
+    engine = make_engine(default_model_dir, num_pages=256).start()
+    server = EngineServer(engine)
+    server.start()
+    try:
+        yield engine, server
+    finally:
+        server.close()
+        engine.close()
+
+
+def _run_until_sent(launch: Launch, server: EngineServer) -> tuple[threading.Thread, list]:
+    """Start `launch` on `server`'s engine; returns once the run has sent its first message."""
+    events, sent = [], threading.Event()
+
+    def emit(event) -> None:
+        events.append(event)
+        if isinstance(event, (Send, Done, Failed)):
+            sent.set()
+
+    thread = Run(launch, server.address, emit).start()
+    assert sent.wait(300) and isinstance(events[0], Send), events
+    return thread, events
+
+
+def _pages_back(engine: Engine) -> None:
+    with engine._lock:
+        engine.kv.check()
+        assert engine.kv_stats()["referenced"] == 0
+
+
+@pytest.mark.parametrize("source", [TAKE_WAITS, RUN_AHEAD_WAITS], ids=["channel_take", "run_ahead"])
+def test_a_run_waiting_on_streamed_outputs_fails_at_once_when_the_engine_connection_is_lost(closable, source):
+    engine, server = closable
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+    launch = Launch(Program.load(source), {"prompt": prompt, "restartable": False},
+                    limits=RunLimits(timeout_s=600))
+    thread, events = _run_until_sent(launch, server)
+    server.close()           # the engine's side ends every connection: as an engine that dies would
+    thread.join()            # the run's deadline is ten minutes away: it ends by the loss
+    end = events[-1]
+    assert isinstance(end, Failed) and end.kind == "exception" and not end.restartable, end
+    assert re.search(r"the engine connection was lost: the connection to the engine at \S+ was closed by the "
+                     "engine", end.message), end.message
+    _pages_back(engine)
+
+
+def test_a_restartable_run_waiting_on_its_engine_says_it_lost_it(closable):
+    engine, server = closable
+    launch = Launch(Program.load(TAKE_WAITS), {"restartable": True}, limits=RunLimits(timeout_s=600))
+    thread, events = _run_until_sent(launch, server)
+    server.close()
+    thread.join()
+    end = events[-1]
+    assert isinstance(end, Failed) and end.restartable and end.kind == "cancelled", end
+    assert end.message.startswith("the engine connection was lost: "), end.message
+    _pages_back(engine)
 
 
 def test_client_module_does_not_import_torch():

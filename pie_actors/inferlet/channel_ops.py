@@ -52,6 +52,7 @@ class ChannelOps:
         self._channels: dict[int, Inbox] = {}             # subscribed engine channel -> the values pushed
         self._held: dict[int, int] = {}                  # engine channel -> values its reads wait for
         self.run.on_push = self._on_push
+        self.run.on_lost.append(self._engine_lost)
 
     def _known_chan(self, handle: int) -> int | None:
         """The engine id of channel `handle`, None while it waits for the engine to be chosen."""
@@ -146,6 +147,11 @@ class ChannelOps:
             inbox.fail(f"the channel is poisoned by a failed pass: {message['error']}")
         else:
             inbox.put(message.get("value"))
+
+    def _engine_lost(self, reason: str) -> None:
+        """The engine connection ended (loop thread): no value comes any more to a subscribed channel."""
+        for inbox in list(self._channels.values()):
+            inbox.fail(reason)
 
     @host_op("chan.free", Handle)
     def free(self, handle: int) -> None:

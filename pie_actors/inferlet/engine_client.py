@@ -41,6 +41,7 @@ class EngineClient:
         self.address = address
         self.requests = 0                 # requests sent (host -> engine round trips started)
         self.on_push: Callable[[dict], None] | None = None   # server pushes (subscribed channel values)
+        self.on_lost: Callable[[str], None] | None = None    # the engine ended the connection: why (loop thread)
         self._reader, self._writer = reader, writer
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
@@ -49,19 +50,23 @@ class EngineClient:
 
     @classmethod
     async def connect(cls, host: str, port: int, secret: bytes, owner: str | None = None,
-                      kv_pages: int = 0, starting: bool = False) -> EngineClient:
+                      kv_pages: int = 0, starting: bool = False,
+                      on_lost: Callable[[str], None] | None = None) -> EngineClient:
         """Connect and prove the engine's `secret` (the handshake in wire.py) for a program of
         `owner`, whose working sets may hold `kv_pages` pages together (0: no bound); `starting`:
         the program is being launched and its first pass is to come (the engine gathers first
-        passes for it). `EngineClient.connect(*address)` takes a `wire.EngineAddress`. A refused
-        proof is an EngineError("Unauthorized")."""
+        passes for it). `on_lost(reason)` is called once if the engine's side ends the connection
+        (set here, so no loss goes unseen). `EngineClient.connect(*address)` takes a
+        `wire.EngineAddress`. A refused proof is an EngineError("Unauthorized")."""
         reader, writer = await asyncio.open_connection(host, port)
         try:
             await cls.handshake(reader, writer, secret, owner, kv_pages, starting)
         except BaseException:
             writer.close()
             raise
-        return cls(reader, writer, (host, port))
+        client = cls(reader, writer, (host, port))
+        client.on_lost = on_lost           # before its reader task first runs
+        return client
 
     @staticmethod
     async def handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes,
@@ -237,9 +242,14 @@ class EngineClient:
         """Whether the connection ended from the engine's side (it closed, reset or died)."""
         return self._lost is not None and self._lost != "was closed by the client"
 
-    def _connection_lost(self) -> EngineError:
+    @property
+    def lost_reason(self) -> str:
+        """Why the connection ended, as the calls it fails say it."""
         host, port = self.address
-        return EngineError("ConnectionLost", f"the connection to the engine at {host}:{port} {self._lost}")
+        return f"the engine connection was lost: the connection to the engine at {host}:{port} {self._lost}"
+
+    def _connection_lost(self) -> EngineError:
+        return EngineError("ConnectionLost", self.lost_reason)
 
     async def _read_loop(self) -> None:
         try:
@@ -276,3 +286,8 @@ class EngineClient:
                     future.set_exception(self._connection_lost())
             self._pending.clear()
             self._writer.close()
+            if self.lost_engine and self.on_lost is not None:
+                try:
+                    self.on_lost(self.lost_reason)
+                except Exception:     # a consumer's bug must not hide the loss from the others
+                    log.exception("engine connection-lost handler failed")

@@ -161,6 +161,13 @@ class InferletHost(HostApi):
         except BaseException:
             self.state.close()
             raise
+        self.state.on_lost.append(self._engine_lost)
+
+    def _engine_lost(self, reason: str) -> None:
+        """A restartable run ends at once when its engine is lost: it runs again from its start, so
+        nothing it waits for (a message, say) matters any more."""
+        if self.state.restartable:
+            self.cancel(reason)
 
     def call(self, op: str, args: Any) -> Any:
         handler = self._ops.get(op)

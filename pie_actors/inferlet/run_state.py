@@ -16,6 +16,10 @@ interpreter lock with the guests' and the engine's threads, where one thread rea
 many runs that arrive together in one wake-up (bench/RESULTS.md, "Speed edits kept"). Nothing on
 it may block. A run's tasks on it end with the run (`close`).
 
+When the engine ends the connection (it died, or closed), every call waiting on it fails with the
+reason, and so do the host futures that wait on what it streams (`on_lost`: channel values),
+at once rather than at the run's deadline.
+
 Host time is not guest time: the sandbox's deadline stops guest code, not a host operation that
 waits. So every wait of a host operation has a bound of its own and ends by the run's deadline too
 (`time_left`); past the deadline the run ends as a timeout.
@@ -106,6 +110,7 @@ class RunState:
         self.client: EngineClient | None = None         # None until `bind`, with an EngineChoice
         self.on_push: Callable[[dict], None] | None = None   # engine pushes (channel_ops.py)
         self.on_receive: Callable[[int], None] | None = None   # the future of a message awaited (pass_ops.py)
+        self.on_lost: list[Callable[[str], None]] = []   # told why, on the loop thread, if the engine ends the connection
         self._choice = engine if isinstance(engine, EngineChoice) else None
         try:
             if self._choice is None:
@@ -152,13 +157,17 @@ class RunState:
 
     def _connect(self, address: wire.EngineAddress, starting: bool = False) -> None:
         client = self._wait(EngineClient.connect(*address, owner=self.owner, kv_pages=self.limits.kv_pages,
-                                                 starting=starting), CONNECT_TIMEOUT_S)
+                                                 starting=starting, on_lost=self._lost), CONNECT_TIMEOUT_S)
         client.on_push = self._push
         self.client = client
 
     def _push(self, message: dict) -> None:
         if self.on_push is not None:
             self.on_push(message)
+
+    def _lost(self, reason: str) -> None:
+        for hook in self.on_lost:
+            hook(reason)
 
     def post(self, fn: Callable[..., None], *args: Any) -> None:
         """Run `fn(*args)` on the loop thread, after everything posted before it, once the guest
