@@ -1,12 +1,17 @@
 """Benchmark pie_actors' Engine against transformers, a plain torch loop and llama.cpp on the same weights.
 
     python bench/engine.py [--systems engine,transformers,torch,llamacpp] [--dtype bfloat16,float32]
-                           [--tokens 64] [--quick] [--out bench/RESULTS.md --title "..."]
+                           [--tokens 64] [--quick] [--device cpu] [--out bench/RESULTS.md --title "..."]
 
 Prints a markdown table (decode tokens/s at batch 1, 8, 32; prefill tokens/s of a 512-token prompt),
 then the engine's speed divided by each other system's. A system that cannot be imported shows
 "unavailable: <reason>" in its row. The rows of one dtype are measured together, round by round (each
 round runs every system once), so the machine's drift over the minutes of a run hits them alike.
+
+Before a dtype's rows are timed, each greedily decodes CHECK_PROMPT at each of its batch sizes: a row
+whose first CHECK_TOKENS tokens differ from transformers' float32 ones is named in an error, and the
+bench exits with status 1 and prints no table (a fast but wrong system gets no speed row).
+`--device cuda` puts the engine rows on the GPU; the other systems run on the CPU.
 """
 from __future__ import annotations
 
@@ -27,7 +32,9 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # before torch imports tqdm; see bas
 
 import torch
 
-from baselines import THREADS, Run, Speed, by_subtraction, llama_cpp_run, measure, torch_run, transformers_run
+from baselines import (THREADS, Run, Speed, by_subtraction, hf_generate, hf_model, llama_cpp_generate,
+                       llama_cpp_model, llama_cpp_run, measure, torch_generate, torch_llama, torch_run,
+                       transformers_run)
 from gguf_variants import default_gguf, variant
 from report import add_output_options, publish
 
@@ -38,6 +45,14 @@ PREFILL_PROMPT_LEN = 512
 SINGLE_STREAM = {"llamacpp"}     # systems measured at batch 1 only
 # llama.cpp has no bf16 matmul path worth comparing on CPU; F16 is its 16-bit storage type
 LLAMA_CPP_TYPE = {"bfloat16": "F16", "float32": "F32"}
+# "1, 2, 3, 4,": each of its first 8 greedy tokens (" 5, 6, 7") leads the runner-up by more than 3
+# in float32, past twice what bf16 rounding moves a logit (0.8 at most, tests/test_shipped_config.py),
+# so every correct system gives them in either dtype. A chat question is no such check: "What is the capital
+# of France?" opens its answer on a near tie (0.08 apart), which a rounding difference may turn.
+CHECK_PROMPT = [33, 28, 216, 34, 28, 216, 35, 28, 216, 36, 28]
+CHECK_TOKENS = 8
+# (prompts, new tokens) -> each prompt's greedy tokens: what a row's system answers
+Tokens = Callable[[list[list[int]], int], list[list[int]]]
 
 @dataclass
 class Row:
@@ -49,16 +64,18 @@ class Row:
 
 
 @cache
-def pie_engine(dtype: str, compile: bool) -> Any:
+def pie_engine(device: str, dtype: str, compile: bool) -> Any:
     from pie_actors.gpu.engine import Engine
-    return Engine.from_model("smollm2-135m-instruct", device="cpu", dtype=dtype, compile=compile)
+    # no batch above the largest bucket of BATCHES runs, so no larger one is compiled
+    return Engine.from_model("smollm2-135m-instruct", device=device, dtype=dtype, compile=compile,
+                             compile_max_batch=max(BATCHES))
 
 
-def engine_run(dtype: str, compile: bool) -> Run:
-    engine = pie_engine(dtype, compile)  # import/construct here so a missing engine marks only its row
+def engine_run(device: str, dtype: str, compile: bool) -> tuple[Run, Tokens]:
+    engine = pie_engine(device, dtype, compile)  # import/construct here so a missing engine marks only its row
     def generate(prompts: list[list[int]], n: int) -> list[list[int]]:
         return engine.generate(prompts, max_new_tokens=n, ignore_eos=True)
-    return by_subtraction(generate)
+    return by_subtraction(generate), generate
 
 
 _child_run: Run | None = None             # the Run a ChildRun's process serves
@@ -73,6 +90,11 @@ def _child_call(b: int, length: int, n: int) -> tuple[float, float]:
     return _child_run(b, length, n)
 
 
+def _llama_cpp_tokens(gguf_path: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """In the ChildRun's process: the tokens of the model its run holds (llama_cpp_model is cached)."""
+    return [llama_cpp_generate(llama_cpp_model(gguf_path, THREADS), p, n)[0] for p in prompts]
+
+
 class ChildRun:
     """`make(*args)`'s Run, served by a process of its own, so that a crash fails one row, not the
     run: llama.cpp's Q4_1 kernels die of a general protection fault in libggml-cpu on some hosts
@@ -83,40 +105,70 @@ class ChildRun:
                                         initializer=_child_start, initargs=(make, args))
 
     def __call__(self, b: int, length: int, n: int) -> tuple[float, float]:
+        return self.call(_child_call, b, length, n)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) in the child process."""
         try:
-            return self.pool.submit(_child_call, b, length, n).result()
+            return self.pool.submit(fn, *args).result()
         except BrokenProcessPool:
             raise RuntimeError("the llama.cpp process crashed") from None
 
 
-def make_run(system: str, dtype: str) -> tuple[str, Run]:
-    """(weights label, run) for one table row; dtype "Q4_1" is for llamacpp only (the shipped file)."""
+def make_run(system: str, dtype: str, device: str) -> tuple[str, Run, Tokens]:
+    """(weights label, run, tokens) for one table row; dtype "Q4_1" is for llamacpp only (the shipped file)."""
     gguf = default_gguf()  # Q4_1; transformers and the torch loop dequantize it to `dtype`
     if system in ("engine", "engine-compiled"):
-        return dtype, engine_run(dtype, compile=system == "engine-compiled")
+        return dtype, *engine_run(device, dtype, compile=system == "engine-compiled")
     if system == "transformers":
-        return dtype, transformers_run(gguf, dtype)
+        model = hf_model(str(gguf), dtype)
+        return dtype, transformers_run(gguf, dtype), lambda p, n: hf_generate(model, p, n).tolist()
     if system == "torch":
-        return dtype, torch_run(gguf, dtype)
+        loop = torch_llama(str(gguf), dtype)
+        return dtype, torch_run(gguf, dtype), lambda p, n: torch_generate(loop, p, n)[0].tolist()
     if system == "llamacpp":
         import llama_cpp as _  # noqa: F401  fail fast (unavailable) before writing a GGUF variant
         kind = dtype if dtype == "Q4_1" else LLAMA_CPP_TYPE[dtype]
-        return f"GGUF {kind}", ChildRun(llama_cpp_run, str(variant(kind)), THREADS)
+        path = str(variant(kind))
+        child = ChildRun(llama_cpp_run, path, THREADS)
+        return f"GGUF {kind}", child, lambda p, n: child.call(_llama_cpp_tokens, path, p, n)
     raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
 
 
-def bench_rows(specs: list[tuple[str, str]], new_tokens: int, repeats: int) -> list[Row]:
-    """One row per (system, dtype), every measurement interleaved round by round among the rows."""
+@cache
+def reference_tokens() -> tuple[int, ...]:
+    """transformers' float32 greedy tokens of CHECK_PROMPT, the answer every row must give."""
+    return tuple(hf_generate(hf_model(str(default_gguf()), "float32"), [CHECK_PROMPT], CHECK_TOKENS)[0].tolist())
+
+
+def wrong_tokens(row: Row, tokens: Tokens, want: tuple[int, ...]) -> str | None:
+    """Why the row's system does not answer CHECK_PROMPT with `want` at each of its batch sizes (every
+    lane of a batch the same prompt, so a wrong batched path shows), or None when it does."""
+    for b in (1,) if row.system in SINGLE_STREAM else BATCHES:
+        for got in tokens([CHECK_PROMPT] * b, CHECK_TOKENS):
+            if tuple(got) != want:
+                return f"{row.system} {row.weights} at batch {b}: greedy tokens {list(got)} != reference {list(want)}"
+    return None
+
+
+def bench_rows(specs: list[tuple[str, str]], new_tokens: int, repeats: int, device: str) -> list[Row]:
+    """One row per (system, dtype), every measurement interleaved round by round among the rows.
+    Exits with status 1, before any timing, when a row's tokens differ from the reference's."""
     rows = [Row(system, dtype) for system, dtype in specs]
     runs: dict[int, Run] = {}
+    wrong = []
     for i, row in enumerate(rows):
         try:
-            row.weights, runs[i] = make_run(row.system, row.weights)
+            row.weights, runs[i], tokens = make_run(row.system, row.weights, device)
+            wrong.append(wrong_tokens(row, tokens, reference_tokens()))
         except ImportError as e:
             row.note = f"unavailable: {e}"
         except Exception as e:  # keep the other rows of a long run; the traceback goes to stderr
             traceback.print_exc()
             row.note = f"failed: {type(e).__name__}: {e}"
+            runs.pop(i, None)
+    if any(wrong):
+        sys.exit("\n".join(f"error: {why}; no speed is printed" for why in wrong if why))
 
     def measured(batch: int, prompt_len: int, n: int, which: list[int]) -> dict[int, Speed]:
         """`measure` of these rows' runs; a row whose run fails gets its note and leaves `runs`."""
@@ -184,6 +236,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16,float32", help="comma list of bfloat16, float32")
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per sequence in decode runs")
     ap.add_argument("--quick", action="store_true", help="16 tokens, 1 repeat: a smoke run, noisy numbers")
+    ap.add_argument("--device", default="cpu", help="the engine rows' device: cpu or cuda")
     add_output_options(ap, "Engine vs baselines, all systems, both dtypes")
     args = ap.parse_args()
     new_tokens, repeats = (16, 1) if args.quick else (args.tokens, 3)
@@ -196,7 +249,7 @@ def main() -> None:
         specs = [(s, dtype) for s in systems]
         if "llamacpp" in systems and dtype == dtypes[0]:   # the shipped quantized file: llama.cpp's best case
             specs.append(("llamacpp", "Q4_1"))
-        rows += bench_rows(specs, new_tokens, repeats)
+        rows += bench_rows(specs, new_tokens, repeats, args.device)
 
     llama_version = getattr(sys.modules.get("llama_cpp"), "__version__", "n/a")
     env = (f"{platform.processor() or platform.machine()}, {THREADS} threads, torch {torch.__version__}, "

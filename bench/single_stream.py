@@ -5,16 +5,20 @@
 bench/engine.py runs one system after another; on a shared machine the load drifts between them.
 Here each round decodes once with every system, so drift hits all of them alike, and the table gives
 medians and the ratio to llama.cpp (the single-stream target: >= 1.0x). Both time decode only:
-the n-1 tokens after the first, the prompt's prefill left out.
+the n-1 tokens after the first, the prompt's prefill left out. Before timing, each system must give
+transformers' float32 greedy tokens on bench/engine.py's check prompt; one that does not is named in
+an error and the bench exits with status 1, printing no table.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
+import sys
 
 from baselines import llama_cpp_generate, llama_cpp_model
 from decode_forms import decode_tps
+from engine import CHECK_PROMPT, CHECK_TOKENS, reference_tokens
 from gguf_variants import variant
 from report import add_output_options, publish
 
@@ -45,6 +49,13 @@ def main() -> None:
         return (n - 1) / decode_s
 
     systems = {"engine, compiled decode, bf16": engine_tps, "llama.cpp, F16 GGUF": llama_tps}
+    answers = {"engine, compiled decode, bf16": engine.generate([CHECK_PROMPT], CHECK_TOKENS, ignore_eos=True)[0],
+               "llama.cpp, F16 GGUF": llama_cpp_generate(llm, CHECK_PROMPT, CHECK_TOKENS)[0]}
+    want = list(reference_tokens())
+    wrong = [f"error: {name}: greedy tokens {got} != reference {want} (transformers, float32); no speed is printed"
+             for name, got in answers.items() if list(got) != want]
+    if wrong:
+        sys.exit("\n".join(wrong))
     for run in systems.values():
         run()                         # compile / warm up
     speeds: dict[str, list[float]] = {name: [] for name in systems}
