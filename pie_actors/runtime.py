@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
 import os
 import socket
 import threading
@@ -32,6 +33,8 @@ from .program import Program
 from .replicas import EngineGone
 
 __all__ = ["Runtime"]
+
+log = logging.getLogger(__name__)
 
 START_WAIT_S = 30.0          # the longest a launcher's message waits for its process's run to begin
 RELAUNCH_WAIT_S = 30.0       # the longest a restartable run waits for the Controller to free its name
@@ -144,6 +147,10 @@ class _Local:
     def __init__(self, config: Config, long_lived: bool, engine_process: bool = False) -> None:
         from .gpu.engine.data_plane import serve_model
 
+        # the sandbox's runner component loads (or, on a machine's first start, builds: about 30 s on
+        # 2 cores) while the engine does, not at the first launch
+        runner = threading.Thread(target=_load_runner, name="pie-runner", daemon=True)
+        runner.start()
         self.restarting = None       # the engine's child process, started again when it dies (engine_process)
         if engine_process:
             from .gpu.engine.engine_process import RestartingEngine
@@ -163,6 +170,7 @@ class _Local:
         self.endings = Endings()                             # how the ones that ended lately ended
         self._lock = threading.Lock()
         self._numbers = itertools.count(1)
+        runner.join()
 
     @property
     def address(self) -> EngineAddress:
@@ -281,6 +289,15 @@ class _Local:
         self.server.close()
         if self.engine is not None:
             self.engine.close()
+
+
+def _load_runner() -> None:
+    from .inferlet.run import sandbox_for
+
+    try:
+        sandbox_for(Program())
+    except Exception:           # the first launch meets the same failure, and reports it
+        log.exception("the sandbox's runner component could not be loaded")
 
 
 class _LocalPeers:
