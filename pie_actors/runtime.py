@@ -128,6 +128,13 @@ class Runtime:
         return self._backend.engine_down if isinstance(self._backend, _Local) else None
 
     @property
+    def engine_restarts(self) -> int:
+        """How many times another engine process served after one died (Runtime.local with
+        engine_process; 0 otherwise)."""
+        restarting = self._backend.restarting if isinstance(self._backend, _Local) else None
+        return 0 if restarting is None else restarting.restarts
+
+    @property
     def engine(self):
         """The in-process Engine (Runtime.local only), for tests and benchmarks that look inside."""
         if not isinstance(self._backend, _Local):
@@ -155,8 +162,7 @@ class _Local:
         if engine_process:
             from .gpu.engine.engine_process import RestartingEngine
 
-            self.server = self.saved_sets = self.restarting = RestartingEngine(config.engine, long_lived,
-                                                                               self._engine_died)
+            self.server = self.saved_sets = self.restarting = RestartingEngine(config.engine, long_lived)
             self.engine = None
         else:
             self.server, self._address = serve_model(config.engine, long_lived=long_lived)
@@ -247,14 +253,6 @@ class _Local:
     def _died(self, address: EngineAddress) -> str | None:
         """Why the engine at `address` died, if it has (None: it serves, or is this process's)."""
         return None if self.restarting is None else self.restarting.died(address)
-
-    def _engine_died(self, reason: str, address: EngineAddress) -> None:
-        """The engine's process died: the runs on it end now, with the reason (their pending
-        replies fail with the connection, but a wait on streamed outputs would not end)."""
-        with self._lock:
-            runs = [r for r in self.runs.values() if r is not None and r.engine_address == address]
-        for run in runs:
-            run.cancel(reason)
 
     def find(self, owner: str | None, name: str) -> Any:
         """The Run of `owner`'s running process `name`; UnknownProcess when there is none."""

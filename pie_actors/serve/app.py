@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route as StarletteRoute
 from starlette.routing import WebSocketRoute
 
+from ..gpu.engine.engine_process import EngineDown
 from ..ws_protocol import PATH as WS_PATH
 from . import anthropic_api, gemini_api, openai_api, responses_api, ws
 from .auth import check_key, owner_of, presented_key
@@ -30,15 +31,24 @@ async def health(serving: Serving, request: Request, body: None) -> Response:
         return JSONResponse({"status": "failed", "error": serving.loading_error}, status_code=503)
     if serving.endpoints is None:
         return JSONResponse({"status": "loading"}, status_code=503)
-    if (down := serving.runtime.engine_down) is not None:     # its process died; another is starting
-        return JSONResponse({"status": "restarting", "error": down}, status_code=503)
-    # an engine serves while its decode buckets compile: how far they are (wire.Stats "compile")
-    return JSONResponse({"status": "ok", "model": serving.model, "compile": serving.runtime.stats()["compile"]})
+    try:
+        # an engine serves while its decode buckets compile: how far they are (wire.Stats "compile")
+        compile = serving.runtime.stats()["compile"]
+    except EngineDown as e:          # its process died (before this request, or since); another is starting
+        return JSONResponse({"status": "restarting", "error": serving.runtime.engine_down or str(e)},
+                            status_code=503)
+    return JSONResponse({"status": "ok", "model": serving.model, "compile": compile})
 
 
 async def metrics(serving: Serving, request: Request, body: None) -> Response:
-    stats = serving.runtime.stats() if serving.endpoints is not None else None
-    return PlainTextResponse(serving.metrics.render(stats), media_type="text/plain; version=0.0.4")
+    stats, restarts = None, 0
+    if serving.endpoints is not None:
+        restarts = serving.runtime.engine_restarts
+        try:
+            stats = serving.runtime.stats()
+        except EngineDown:           # restarting: the server's own figures, and pie_engine_up 0
+            pass
+    return PlainTextResponse(serving.metrics.render(stats, restarts), media_type="text/plain; version=0.0.4")
 
 
 async def openapi_json(serving: Serving, request: Request, body: None) -> Response:
@@ -48,9 +58,10 @@ async def openapi_json(serving: Serving, request: Request, body: None) -> Respon
 API = openai_api.API
 SERVICE_ROUTES = [
     Route("GET", "/health", API, health, "200 once the engine serves (with its compiled decode buckets: ready, "
-          "total, compiling, failed), 503 while it loads.", engine=False, public=True),
-    Route("GET", "/metrics", API, metrics, "Prometheus metrics: requests, tokens, TTFT/TPOT, KV pages, batches.",
-          engine=False),
+          "total, compiling, failed), 503 while it loads, and 503 'restarting' while another engine process "
+          "starts after one died (pie serve --local).", engine=False, public=True),
+    Route("GET", "/metrics", API, metrics, "Prometheus metrics: requests, tokens, TTFT/TPOT, KV pages, batches, "
+          "whether the engine serves and its restarts.", engine=False),
     Route("GET", "/openapi.json", API, openapi_json, "This document.", engine=False),
 ]
 ROUTES: list[Route] = [*gemini_api.ROUTES, *openai_api.ROUTES, *responses_api.ROUTES, *anthropic_api.ROUTES,

@@ -1,5 +1,6 @@
 """`/metrics`: the server's own counters and latency histograms, and the engine's figures from
-`runtime.stats()`, in the Prometheus text format."""
+`runtime.stats()`, in the Prometheus text format. While the engine's process restarts (pie serve
+--local) its figures are absent and `pie_engine_up` is 0."""
 from __future__ import annotations
 
 import bisect
@@ -61,7 +62,9 @@ class Metrics:
             if tpot is not None:
                 self.tpot.observe(tpot)
 
-    def render(self, stats: dict[str, Any] | None) -> str:
+    def render(self, stats: dict[str, Any] | None, restarts: int = 0) -> str:
+        """The metrics text; `stats`: the engine's (None: it does not serve now), `restarts`: the
+        engine processes started after one died."""
         with self._lock:
             lines = ["# HELP pie_requests_total HTTP requests by route and status.",
                      "# TYPE pie_requests_total counter"]
@@ -73,6 +76,10 @@ class Metrics:
                       for kind in ("prompt_tokens", "completion_tokens", "cached_tokens")]
             for histogram in (self.ttft, self.tpot, self.duration):
                 lines += histogram.lines()
+        lines += ["# HELP pie_engine_up Whether an engine serves (0: loading, or its process restarting).",
+                  "# TYPE pie_engine_up gauge", f"pie_engine_up {int(stats is not None)}",
+                  "# HELP pie_engine_restarts_total Engine processes started after one died (pie serve --local).",
+                  "# TYPE pie_engine_restarts_total counter", f"pie_engine_restarts_total {restarts}"]
         if stats is not None:
             lines += ["# HELP pie_running_inferlets Inferlets running on the model's engine.",
                       "# TYPE pie_running_inferlets gauge", f"pie_running_inferlets {stats.get('processes', 0)}",

@@ -18,7 +18,7 @@ import multiprocessing
 import threading
 import time
 from multiprocessing.connection import wait
-from typing import Any, Callable
+from typing import Any
 
 from ...config import EngineConfig
 from . import wire
@@ -110,14 +110,15 @@ class EngineProcess:
 
 class RestartingEngine:
     """An EngineProcess started again whenever it dies, with backoff: at once after one that served
-    for STEADY_S, else after waits that double up to MAX_BACKOFF_S. `on_death(reason, address)` is
-    told of each death as it happens (on the watching thread); `serving` waits for an engine."""
+    for STEADY_S, else after waits that double up to MAX_BACKOFF_S; `serving` waits for an engine.
+    The runs on a dead engine learn of it from their connections (inferlet/engine_client.py)."""
 
-    def __init__(self, config: EngineConfig, long_lived: bool,
-                 on_death: Callable[[str, wire.EngineAddress], None]) -> None:
-        self._config, self._long_lived, self._on_death = config, long_lived, on_death
+    def __init__(self, config: EngineConfig, long_lived: bool) -> None:
+        self._config, self._long_lived = config, long_lived
         self._engine = EngineProcess(config, long_lived)   # the first start's failure is the caller's
         self.down: str | None = None                       # why no engine serves now (None: one does)
+        self.restarts = 0                                  # engines started after a death, that served
+        self.backoffs: list[float] = []                    # the wait before each start after a death, in order
         self._deaths: dict[wire.EngineAddress, str] = {}   # the dead engines' addresses, and why they died
         self._starting = False                             # the watcher is starting another
         self._changed = threading.Condition()
@@ -183,17 +184,17 @@ class RestartingEngine:
             log.error("%s; starting another", reason)
             with self._changed:
                 self.down, self._starting, self._deaths[engine.address] = reason, True, reason
-            self._on_death(reason, engine.address)
             engine.close()
-            backoff = 0.0 if time.monotonic() - started >= STEADY_S else min(max(1.0, 2 * backoff), MAX_BACKOFF_S)
+            backoff = 0.0 if time.monotonic() - started >= STEADY_S else _longer(backoff)
             while (engine := self._start(backoff)) is None:
                 if self._closed.is_set():
                     return
-                backoff = min(max(1.0, 2 * backoff), MAX_BACKOFF_S)
+                backoff = _longer(backoff)
             with self._changed:
                 closed = self._closed.is_set()
                 if not closed:
                     self._engine, self._starting, self.down = engine, False, None
+                    self.restarts += 1
                     self._changed.notify_all()
             if closed:
                 engine.close()
@@ -202,6 +203,7 @@ class RestartingEngine:
 
     def _start(self, backoff: float) -> EngineProcess | None:
         """A new engine after `backoff` seconds; None when it did not start or the runtime closed."""
+        self.backoffs.append(backoff)
         if self._closed.wait(backoff):
             return None
         try:
@@ -209,6 +211,11 @@ class RestartingEngine:
         except Exception as e:
             log.error("the engine process did not start again: %s: %s", type(e).__name__, e)
             return None
+
+
+def _longer(backoff: float) -> float:
+    """The wait after `backoff` when the engine started after it dies young (or does not start)."""
+    return min(max(1.0, 2 * backoff), MAX_BACKOFF_S)
 
 
 def _serve(config: EngineConfig, long_lived: bool, pipe: Any) -> None:
