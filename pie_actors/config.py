@@ -87,8 +87,6 @@ class EngineConfig:
     spill_memory_mb: int = _doc("host memory for saved working sets evicted from the KV page pool "
                                 "(ws.save); a set that does not fit keeps only its tokens and is "
                                 "recomputed when opened; 0: never spill", default=1024)
-    fail_batch: int = _doc("fault injection, for tests: the N-th batch the engine runs fails on its workers "
-                           "(every pass in it gets the error, the next batch runs as usual); 0: off", default=0)
 
     def __post_init__(self) -> None:
         if isinstance(self.compile, bool):                      # compile=True / False, as a switch
@@ -104,7 +102,7 @@ class EngineConfig:
             raise ConfigError(f'engine.compile must be "auto", "on" or "off", got {self.compile!r}')
         _check_min(self, "engine", page_size=1, kv_memory_mb=1, num_pages=0, max_batch_tokens=1, tp=1,
                    num_threads=0, max_programs=1, max_sequences=1, channel_memory_mb=1,
-                   compile_max_batch=1, spill_memory_mb=0, fail_batch=0)
+                   compile_max_batch=1, spill_memory_mb=0)
         if not self.model:
             raise ConfigError("engine.model must name a model")
         _check_min(self, "engine", replicas=1)

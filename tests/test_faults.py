@@ -1,5 +1,5 @@
-"""Faults on one engine: a batch that fails on the workers (`engine.fail_batch`, the fault-injection
-switch) and clients that abort mid-stream. Every program in the failed batch gets the error, every
+"""Faults on one engine: a batch that fails on the workers (the engine's run of its sixth batch made
+to raise, as a worker's failure would) and clients that abort mid-stream. Every program in the failed batch gets the error, every
 other one its exact greedy tokens, the page store's books balance afterwards and the next passes
 succeed; through pie serve, 90 of 100 concurrent streams get exactly their greedy text while 10 are
 cancelled, and at idle no inferlet runs and every page is back."""
@@ -27,9 +27,21 @@ def outcome(process) -> dict | str:
         return e.message
 
 
+def fail_batch(engine, n: int) -> None:
+    """The engine's `n`-th batch fails on its workers: every pass in it gets the error."""
+    run = engine._broadcast_and_run
+
+    def run_or_fail(plan):
+        if engine.batches_run == n:
+            raise RuntimeError(f"injected fault: batch {n} failed")
+        return run(plan)
+
+    engine._broadcast_and_run = run_or_fail
+
+
 def test_a_failed_batch_fails_its_passes_only_and_the_next_passes_succeed(default_model_dir):
-    with Runtime.local(str(default_model_dir), dtype="float32", num_pages=256, timeout_s=120, compile="off",
-                       fail_batch=FAIL_BATCH) as rt:
+    with Runtime.local(str(default_model_dir), dtype="float32", num_pages=256, timeout_s=120, compile="off") as rt:
+        fail_batch(rt.engine, FAIL_BATCH)
         start_pages = rt.stats()["kv"]["referenced"]
         tok = rt.engine.tokenizer
         prompts = [tok.encode(p) for p in PROMPTS]

@@ -66,10 +66,6 @@ def _nothing(logits: torch.Tensor) -> None:
     return None
 
 
-class InjectedFault(RuntimeError):
-    """The batch `EngineConfig.fail_batch` names failed on purpose (fault-injection tests)."""
-
-
 class Engine:
     def __init__(self, worker: Worker, kv: KVStore, config: EngineConfig, tokenizer: Tokenizer | None = None,
                  remote: list | None = None):
@@ -311,8 +307,6 @@ class Engine:
         t0 = time.perf_counter()
         try:
             self.batches_run += 1
-            if self.batches_run == self.config.fail_batch:
-                raise InjectedFault(f"injected fault: batch {self.batches_run} failed (engine.fail_batch)")
             logits = self._broadcast_and_run(plan)
             if logits.device.type == "cuda":
                 torch.cuda.synchronize(logits.device)    # so that "model" holds the forward's time
