@@ -9,17 +9,19 @@ from pie_actors.gpu.engine import Lane, PassRequest
 from tests.engine_helpers import hf_greedy, make_engine, save_tiny_model
 
 
-def engine_greedy(engine, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    """One pass per token through the engine's public pass API; returns tokens and per-step logits."""
+def engine_greedy(engine, prompt: list[int], n: int, forced: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
+    """One pass per token through the engine's public pass API; returns tokens and per-step logits.
+    `forced`: the tokens fed after the prompt in place of the engine's picks (a reference's), so that
+    every step's logits compare with the reference's even where a near tie turns a pick."""
     seq = engine.create_sequence()
     tokens, logits, feed = [], [], list(prompt)
-    for _ in range(n):
+    for step in range(n):
         fut = engine.submit(PassRequest([Lane(seq, feed)]))
         engine.run_until_idle()
         row = fut.result()[-1]
         logits.append(row)
-        feed = [int(row.argmax())]
-        tokens.append(feed[0])
+        tokens.append(int(row.argmax()))
+        feed = [tokens[-1] if forced is None else forced[step]]
     engine.free(seq)
     engine.kv.check()
     return tokens, torch.stack(logits)
