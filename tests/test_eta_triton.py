@@ -1,6 +1,7 @@
 """The eta Triton backend equals the torch backend, checked with Triton's interpreter.
 
 TRITON_INTERPRET must be set before Triton is imported, so the checks run in a fresh interpreter.
+CHECK takes a device argument: "cuda" runs the compiled kernels (tests/test_cuda.py).
 """
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ from pie_actors.gpu.eta import EtaError, compile_program
 
 CHECK = textwrap.dedent("""
     import math
+    import sys
     import torch
     from pie_actors.gpu.eta import EtaError, TensorEnv, compile_program
+
+    DEVICE = sys.argv[1] if len(sys.argv) > 1 else "cpu"
 
     class Trace:
         def __init__(self):
@@ -73,15 +77,16 @@ CHECK = textwrap.dedent("""
     PROGRAMS = [argmax, temperature, top_a, masked, distributions, elementwise, noise]
 
     def env(V, shape, g):
-        return TensorEnv({(0, "logits"): torch.randn(*shape, V, generator=g) * 2},
-                         {0: [torch.tensor([7], dtype=torch.int64)], 1: [],
-                          2: [torch.rand(V, generator=g) > 0.5], 3: [torch.tensor([0.25])]})
+        return TensorEnv({(0, "logits"): (torch.randn(*shape, V, generator=g) * 2).to(DEVICE)},
+                         {0: [torch.tensor([7], dtype=torch.int64, device=DEVICE)], 1: [],
+                          2: [(torch.rand(V, generator=g) > 0.5).to(DEVICE)], 3: [torch.tensor([0.25], device=DEVICE)]})
 
     def check(build, V, shape):
         t = Trace()
         outputs = build(t, V, shape[0] if shape else None)
         ir = {"ops": t.ops, "outputs": [o["t"] for o in outputs]}
-        ref, fused = compile_program(ir, device="cpu", backend="torch"), compile_program(ir, device="cpu", backend="triton")
+        ref = compile_program(ir, device=DEVICE, backend="torch")
+        fused = compile_program(ir, device=DEVICE, backend="triton")
         assert fused.backend == "triton"
         for seed in (0, 1):
             want_env, got_env = env(V, shape, torch.Generator().manual_seed(seed)), env(V, shape, torch.Generator().manual_seed(seed))
@@ -112,8 +117,8 @@ CHECK = textwrap.dedent("""
 
     # shapes that do not fit the per-row kernel (a [rows, 1] column) run the torch interpreter
     ir = {"ops": [["output", [0, "logits"]], ["take", [0]], ["add", [{"t": 0}, {"t": 1}]]], "outputs": [2]}
-    fused = compile_program(ir, device="cpu", backend="triton")
-    x, column = torch.randn(2, 10), torch.randn(2, 1)
+    fused = compile_program(ir, device=DEVICE, backend="triton")
+    x, column = torch.randn(2, 10, device=DEVICE), torch.randn(2, 1, device=DEVICE)
     (out,) = fused.run(TensorEnv({(0, "logits"): x}, {0: [column]}))
     assert fused.fallbacks == 1 and torch.equal(out, x + column)
     print("ok")

@@ -25,8 +25,8 @@ def _prefill_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
     return fut.result()
 
 
-def _check_same_as_tp1(model_dir, tp: int, prompts: list[list[int]]) -> None:
-    kw = dict(device="cpu", dtype="float32", kv_memory_mb=64)
+def _check_same_as_tp1(model_dir, tp: int, prompts: list[list[int]], device: str = "cpu") -> None:
+    kw = dict(device=device, dtype="float32", kv_memory_mb=64)
     tp1 = Engine.from_model(str(model_dir), tp=1, **kw)
     want = tp1.generate(prompts, 12, ignore_eos=True)
     want_logits = _prefill_logits(tp1, prompts[0])
