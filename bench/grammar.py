@@ -175,7 +175,7 @@ def prefill(engine, prompts: list[list[int]]) -> tuple[list[int], list[list[int]
 
 
 def constrained(engine, compiler: GrammarCompiler, prompts, stops: set[int]) -> dict:
-    vocab = engine.cfg.vocab_size
+    vocab = engine.model_config.vocab_size
     shifts = torch.arange(32, dtype=torch.int32)
     seqs, inputs = prefill(engine, prompts)
     matchers = [Matcher(compiler.json_schema(SCHEMA)) for _ in prompts]
@@ -249,7 +249,7 @@ def main() -> None:
         tok = engine.tokenizer
         chat = ChatTokens(tok)
         stops = set(chat.stop_tokens())
-        compiler = GrammarCompiler(tok, engine.cfg.vocab_size, chat.stop_tokens())
+        compiler = GrammarCompiler(tok, engine.model_config.vocab_size, chat.stop_tokens())
         schema = json.dumps(SCHEMA)
         prompts = [chat.system("You reply with JSON only.")
                    + chat.user(f"Describe {PEOPLE[i % len(PEOPLE)]} as JSON for this schema: {schema}")

@@ -87,7 +87,7 @@ def test_a_lane_with_an_empty_readout_gives_no_rows(engine):
     f = engine.submit(PassRequest([Lane(seq_a, a, readout=[]), Lane(seq_b, b, readout=[0, len(b) - 1])]))
     engine.run_until_idle()
     logits = f.result()
-    assert logits.shape == (2, engine.cfg.vocab_size)
+    assert logits.shape == (2, engine.model_config.vocab_size)
     assert int(logits[1].argmax()) == engine.generate([b], 1, ignore_eos=True)[0][0]
     assert engine.seq_state(seq_a)["length"] == len(a)
     engine.free(seq_a), engine.free(seq_b)

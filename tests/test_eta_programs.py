@@ -341,7 +341,7 @@ def test_a_lora_adapter_equals_the_merged_weights_and_stays_private(runtime, def
     engine = runtime.engine
     start = referenced(runtime)
     g = torch.Generator().manual_seed(0)
-    hidden = engine.cfg.hidden_size
+    hidden = engine.model_config.hidden_size
     a, b = torch.randn(hidden, 4, generator=g) * 0.2, torch.randn(4, hidden, generator=g) * 0.2
     base = {"prompt": PROMPT, "n": 8, "site": "o"}
     plain = run(runtime, LORA, base)["tokens"]

@@ -174,7 +174,7 @@ def constrained_greedy(engine, prompts: list[list[int]], matchers: list[Matcher]
                        max_tokens: int) -> tuple[list[list[int]], list[bool]]:
     """Greedy decoding of all prompts in one batch, each step's logits masked by its matcher.
     Returns each sequence's tokens (without the stop token) and whether its grammar finished."""
-    vocab = engine.cfg.vocab_size
+    vocab = engine.model_config.vocab_size
     shifts = torch.arange(32, dtype=torch.int32)
     seqs = [engine.create_sequence() for _ in prompts]
     inputs, outputs = [list(p) for p in prompts], [[] for _ in prompts]

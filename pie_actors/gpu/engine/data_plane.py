@@ -118,7 +118,7 @@ class EngineServer:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.secret = secrets.token_bytes(32)
-        cfg = engine.cfg
+        cfg = engine.model_config
         self.info: wire.Info = {
             "model": engine.model_name, "model_dir": str(engine.model_dir), "architecture": cfg.architecture,
             "dtype": str(engine.worker.dtype).removeprefix("torch."), "device": str(engine.worker.device),
@@ -404,8 +404,8 @@ class _Connection:
 
     def _op_reserve(self, msg: dict[str, Any]) -> None:
         seq, end = self._own(msg["seq"]), _int(msg["end"], "end")
-        if not 0 <= end <= self.engine.cfg.max_position_embeddings:
-            raise BadRequest(f"reserve end {end} outside [0, {self.engine.cfg.max_position_embeddings}]")
+        if not 0 <= end <= self.engine.model_config.max_position_embeddings:
+            raise BadRequest(f"reserve end {end} outside [0, {self.engine.model_config.max_position_embeddings}]")
         self.engine.reserve(seq, end)
 
     # ---- saved working sets --------------------------------------------------------------------------
@@ -480,7 +480,7 @@ class _Connection:
         if not isinstance(spec, list) or not all(isinstance(a, list) and len(a) == 2 for a in spec):
             raise BadRequest("adapters must be a list of [site, program id] pairs")
         try:
-            return [(parse_site(site, self.engine.cfg.num_layers), pid) for site, pid in spec]
+            return [(parse_site(site, self.engine.model_config.num_layers), pid) for site, pid in spec]
         except ValueError as e:
             raise BadRequest(str(e)) from None
 

@@ -70,7 +70,7 @@ class Engine:
     def __init__(self, worker: Worker, kv: KVStore, config: EngineConfig, tokenizer: Tokenizer | None = None,
                  remote: list | None = None):
         self.worker, self.kv, self.config, self.tokenizer = worker, kv, config, tokenizer
-        self.cfg = worker.cfg                        # the model's hyper-parameters
+        self.model_config = worker.cfg               # the model's hyper-parameters (self.config: the engine settings)
         self.model_dir = worker.model_dir
         # the store name; a model given as a folder or file is known by its folder's name
         self.model_name = self.model_dir.name if Path(config.model).expanduser().exists() else config.model
@@ -88,7 +88,7 @@ class Engine:
         self._remote = remote
         self.channels = ChannelStore(worker.device, config.channel_memory_mb << 20)
         self.programs = ProgramCache()               # compiled eta programs, by IR hash
-        self.scheduler = Scheduler(kv, self.channels, self.cfg, config.max_batch_tokens,
+        self.scheduler = Scheduler(kv, self.channels, self.model_config, config.max_batch_tokens,
                                    tensor_parallel=bool(remote), wait_for_programs=config.wait_for_programs)
         self._lock = threading.Condition()
         self._device = threading.Lock()              # held while the workers run a batch
@@ -459,7 +459,7 @@ class Engine:
         """Greedy decoding of several prompts batched together; returns the new tokens of each.
 
         `on_token(prompt_index, token)` is called as each token arrives (streaming)."""
-        stop = set() if ignore_eos else set(stop if stop is not None else self.cfg.eos_token_ids)
+        stop = set() if ignore_eos else set(stop if stop is not None else self.model_config.eos_token_ids)
         seqs = [self.create_sequence() for _ in prompts]
         outputs: list[list[int]] = [[] for _ in prompts]
         inputs = [list(p) for p in prompts]
