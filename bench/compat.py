@@ -2,7 +2,7 @@
 and Responses APIs.
 
     python bench/compat.py [--version 0.3.36] [--modules chat_completion,compat_anthropic,...]
-                           [--port N] [--verbose]
+                           [--port N] [--verbose] [--out bench/RESULTS.md]
 
 llama.cpp's server tests (`tools/server/tests`) ship inside llama-cpp-python's sdist on PyPI. This
 script downloads the sdist once (`pip download`) into $PIE_HOME/cache/compat, unpacks
@@ -34,6 +34,8 @@ import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
+
+from report import add_output_options, publish
 
 from pie_actors.config import pie_home
 
@@ -172,6 +174,7 @@ def main() -> None:
                         help="test modules of tools/server/tests/unit, without test_ and .py")
     parser.add_argument("--port", type=int, default=0, help="pie serve's port (default: a free one)")
     parser.add_argument("--verbose", action="store_true", help="pytest's own output and pie serve's log path")
+    add_output_options(parser, "llama.cpp's server tests against pie serve")
     args = parser.parse_args()
 
     cache = cache_dir()
@@ -187,10 +190,11 @@ def main() -> None:
     with pie_serve(port, log):
         run_suite(tests, args.modules.split(","), port, deps, report, args.verbose)
     counts = counts_by_module(report)
-    print(table(counts))
-    for module, c in counts.items():
-        for name, why in c.failures:
-            print(f"FAILED {module}::{name}: {why}")
+    failures = [f"- `{module}::{name}`: {why}" for module, c in counts.items() for name, why in c.failures]
+    env = (f"llama.cpp's tools/server/tests from {PACKAGE} {args.version}'s sdist, modules {args.modules}, "
+           "against pie serve --local (the default model and config)")
+    publish(env, table(counts) + ("\n\nFailures, each with the first line of its reason:\n\n" + "\n".join(failures)
+                                  if failures else ""), args.out, args.title)
 
 
 if __name__ == "__main__":
