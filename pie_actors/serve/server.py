@@ -109,8 +109,8 @@ class Server:
         return self
 
     def wait_ready(self, timeout: float | None = None) -> None:
-        """Wait for the engine (by default as long as it takes: a compiled engine's first start on a
-        CPU compiles for many minutes); raises RuntimeError if it could not be loaded."""
+        """Wait for the engine to serve (its model loaded; decode buckets still to compile compile
+        behind); raises RuntimeError if it could not be loaded."""
         if not self._loaded.wait(timeout):
             raise TimeoutError(f"the engine did not load within {timeout} s")
         if self.serving.loading_error is not None:
