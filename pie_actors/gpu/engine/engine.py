@@ -409,7 +409,7 @@ class Engine:
         It freezes the heap the process has built so far (`gc.freeze`): the model, the tokenizer
         and the libraries hold some 330,000 objects, and a full collection walking them holds the
         interpreter lock for ~160 ms, a stall of every step and program in the process that came
-        every few batches ("Programs at once" in bench/RESULTS.md). `close` thaws it again, so what a
+        every few batches ("Speed edits kept" in bench/RESULTS.md). `close` thaws it again, so what a
         closed engine leaves in reference cycles is collected."""
         gc.collect()
         gc.freeze()
