@@ -15,13 +15,13 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from pie_actors.gpu.engine import wire
-from pie_actors.gpu.engine.data_plane import _FIELDS, _LANE_FIELDS, EngineServer
+from pie_actors.gpu.engine.data_plane import _LANE_FIELDS, _OPS, EngineServer
 from tests.engine_helpers import make_engine
 
 PROMPT = [1, 2, 3]
-FIELD_NAMES = sorted({f for required, optional in _FIELDS.values() for f in required + optional} | _LANE_FIELDS)
+FIELD_NAMES = sorted({f for spec in _OPS.values() for f in spec.required + spec.optional} | _LANE_FIELDS)
 # ops that succeed whatever their (absent) fields say are left out: they are not bad requests
-FUZZED_OPS = sorted(op for op, (required, _) in _FIELDS.items() if required)
+FUZZED_OPS = sorted(op for op, spec in _OPS.items() if spec.required)
 
 
 @pytest.fixture(scope="module")
@@ -132,9 +132,9 @@ def fuzzed_requests(draw, id: int):
     op = draw(st.sampled_from(FUZZED_OPS) | st.text(max_size=8))
     fields = draw(st.dictionaries(st.sampled_from(FIELD_NAMES) | st.text(max_size=6), values, max_size=5))
     fields.pop("id", None)
-    required = _FIELDS.get(op, ((), ()))[0]
+    required = _OPS[op].required if op in _OPS else ()
     # unknown ops and missing required fields are bad for sure; the rest are refused by their checks
-    bad_for_sure = op not in _FIELDS or any(f not in fields for f in required)
+    bad_for_sure = op not in _OPS or any(f not in fields for f in required)
     return _packed({"id": id, "op": op, **fields}), id, bad_for_sure
 
 

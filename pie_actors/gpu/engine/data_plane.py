@@ -27,7 +27,7 @@ import secrets
 import threading
 from concurrent.futures import Future
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from . import wire
 from ...config import EngineConfig
@@ -92,21 +92,6 @@ def _optional(check: Callable[..., Any], value: Any, *what: str) -> Any:
     return None if value is None else check(value, *what)
 
 
-# op -> (required fields, optional fields)
-_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "info": ((), ()), "create": ((), ()), "stats": ((), ()), "usage": ((), ()), "idle": ((), ()),
-    "park": ((), ()),
-    "fork": (("seq",), ()),
-    "free": (("seq",), ()), "seq_state": (("seq",), ()), "reserve": (("seq", "end"), ()),
-    "save": (("seq", "name", "owner"), ()), "open": (("name", "owner"), ()), "saved": (("owner",), ()),
-    "delete_saved": (("name", "owner"), ()),
-    "pass": (("lanes", "epilogue"), ("prologue", "repeat", "adapters")),
-    "program": (("ir",), ()),
-    "chan_create": (("shape", "dtype"), ("capacity", "values")), "chan_put": (("chan", "value"), ("bits",)),
-    "chan_take": (("chan",), ()), "chan_subscribe": (("chan",), ()), "chan_free": (("chan",), ()),
-    "repeat_ack": (("pass", "read"), ()), "repeat_stop": (("pass",), ("keep",)),
-}
-_USES_SETS = frozenset({"pass", "fork", "seq_state", "reserve", "save"})   # a parked connection's come back first
 _LANE_FIELDS = {"seq", "tokens", "positions", "slots", "kv_len", "mask", "fold", "readout", "tokens_from"}
 _KNOWN_ERRORS = (BadRequest, EpilogueError, PassError, KVStoreError, ChannelError, EtaError)
 
@@ -298,20 +283,20 @@ class _Connection:
 
     def _dispatch(self, msg: dict[str, Any]) -> Any:
         op = msg.get("op")
-        if op not in _FIELDS:
-            raise BadRequest(f"unknown op {op!r}; known: {list(_FIELDS)}")
-        required, optional = _FIELDS[op]
-        extra = set(msg) - {"id", "op", *required, *optional}
-        missing = [f for f in required if f not in msg]
+        spec = _OPS.get(op) if isinstance(op, str) else None
+        if spec is None:
+            raise BadRequest(f"unknown op {op!r}; known: {list(_OPS)}")
+        extra = set(msg) - {"id", "op", *spec.required, *spec.optional}
+        missing = [f for f in spec.required if f not in msg]
         if extra or missing:
-            raise BadRequest(f"{op}: fields {list(required)} (optional {list(optional)}) expected; "
+            raise BadRequest(f"{op}: fields {list(spec.required)} (optional {list(spec.optional)}) expected; "
                              f"missing {missing}, unknown {sorted(extra)}")
-        if self.parked and op in _USES_SETS:
+        if self.parked and spec.uses_sets:
             prefill = self._unpark()
             if prefill is not None and op != "pass":    # a pass is queued behind the prefill
                 prefill.add_done_callback(partial(self._after_prefill, msg))
                 return _PENDING
-        return getattr(self, "_op_" + op)(msg)
+        return spec.handler(self, msg)
 
     def _after_prefill(self, msg: dict[str, Any], prefill: Future) -> None:
         # Runs on the engine thread: hand over to the loop.
@@ -606,6 +591,34 @@ class _Connection:
             except KVStoreError:
                 pass   # already gone: nothing to return
         self.owned.clear()
+
+
+class _Op(NamedTuple):
+    """A data-plane request: its handler, its fields, and whether it uses the connection's working
+    sets (which a parked connection brings back first)."""
+    handler: Callable[[_Connection, dict[str, Any]], Any]
+    required: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
+    uses_sets: bool = False
+
+
+C = _Connection
+_OPS: dict[str, _Op] = {                     # every request the data plane answers (wire.py)
+    "info": _Op(C._op_info), "stats": _Op(C._op_stats), "usage": _Op(C._op_usage), "idle": _Op(C._op_idle),
+    "park": _Op(C._op_park),
+    "create": _Op(C._op_create), "fork": _Op(C._op_fork, ("seq",), uses_sets=True),
+    "free": _Op(C._op_free, ("seq",)), "seq_state": _Op(C._op_seq_state, ("seq",), uses_sets=True),
+    "reserve": _Op(C._op_reserve, ("seq", "end"), uses_sets=True),
+    "save": _Op(C._op_save, ("seq", "name", "owner"), uses_sets=True), "open": _Op(C._op_open, ("name", "owner")),
+    "saved": _Op(C._op_saved, ("owner",)), "delete_saved": _Op(C._op_delete_saved, ("name", "owner")),
+    "pass": _Op(C._op_pass, ("lanes", "epilogue"), ("prologue", "repeat", "adapters"), uses_sets=True),
+    "program": _Op(C._op_program, ("ir",)),
+    "chan_create": _Op(C._op_chan_create, ("shape", "dtype"), ("capacity", "values")),
+    "chan_put": _Op(C._op_chan_put, ("chan", "value"), ("bits",)), "chan_take": _Op(C._op_chan_take, ("chan",)),
+    "chan_subscribe": _Op(C._op_chan_subscribe, ("chan",)), "chan_free": _Op(C._op_chan_free, ("chan",)),
+    "repeat_ack": _Op(C._op_repeat_ack, ("pass", "read")), "repeat_stop": _Op(C._op_repeat_stop, ("pass",), ("keep",)),
+}
+del C
 
 
 def serve_model(config: EngineConfig, host: str = "127.0.0.1", port: int = 0, *, long_lived: bool = False
