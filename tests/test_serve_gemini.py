@@ -167,8 +167,11 @@ def test_stream_without_alt_sse_is_a_json_array_of_responses(server):
     events = [valid(types.GenerateContentResponse, e)
               for e in sse_data(httpx.post(url + "?alt=sse", json=BODY, headers=auth, timeout=120).text)]
     assert len(items) == len(events) > 1
-    assert "".join(i.text or "" for i in items) == "".join(e.text or "" for e in events)
-    assert items[-1].candidates[0].finish_reason == types.FinishReason.MAX_TOKENS
+    expected = greedy_tokens(server, chat_prompt(server, ASK), 8)     # maxOutputTokens: 8
+    assert "".join(i.text or "" for i in items) == "".join(e.text or "" for e in events) == \
+        reference_engine(server).tokenizer.decode(expected)
+    cut = types.FinishReason.MAX_TOKENS if len(expected) == 8 else types.FinishReason.STOP
+    assert items[-1].candidates[0].finish_reason == events[-1].candidates[0].finish_reason == cut
     refused = httpx.post(url, json={**BODY, "contents": [{"role": "user", "parts": [{"text": "hi " * 9000}]}]},
                          headers=auth, timeout=120)
     assert refused.status_code == 400 and refused.json()["error"]["status"] == "INVALID_ARGUMENT"
@@ -181,6 +184,7 @@ def test_empty_parts_and_a_max_output_past_the_context_are_refused(server, clien
         response = httpx.post(url, json=body, headers=auth, timeout=120)
         assert response.status_code == 400, response.text
         assert response.json()["error"]["status"] == "INVALID_ARGUMENT"
+    assert response.json()["error"]["message"].startswith("generationConfig.maxOutputTokens")   # as the user wrote it
     with pytest.raises(errors.ClientError) as empty:
         client.models.generate_content(model="default", contents=[types.Content(role="user", parts=[])],
                                        config=config())

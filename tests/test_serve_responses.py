@@ -12,7 +12,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from serve_helpers import KEY, WEATHER, batches_since, chat_prompt, greedy_text, idle, start
+from serve_helpers import KEY, WEATHER, batches_since, chat_prompt, checked, checked_stream, greedy_text, idle, start
 
 OTHER = "other-key"
 INSTRUCTIONS = "You are a concise assistant."
@@ -33,10 +33,11 @@ def client(server):
 
 
 def _create(client: OpenAI, stream: bool, **fields):
-    """A response, and for a stream the types of its events in order."""
+    """A response, and for a stream the types of its events in order; each checked by the SDK's own
+    model."""
     if not stream:
-        return client.responses.create(**fields), None
-    events = list(client.responses.create(stream=True, **fields))
+        return checked(client.responses.create(**fields)), None
+    events = list(checked_stream(client.responses.create(stream=True, **fields)))
     kinds = [e.type for e in events]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
@@ -100,7 +101,7 @@ def test_a_chained_conversation_computes_only_new_tokens_and_matches_greedy_runs
             assert deltas >= 1
             assert events == (["response.created", "response.in_progress", *message]
                               + ["response.output_text.delta"] * deltas + closing + [f"response.{response.status}"])
-    assert client.responses.retrieve(responses[-1].id).output_text == replies[-1]
+    assert checked(client.responses.retrieve(responses[-1].id)).output_text == replies[-1]
     assert idle(server)["kv"]["referenced"] > start_pages          # the saved sets hold their pages
 
 
@@ -111,8 +112,8 @@ def test_a_gone_saved_set_is_recomputed_from_the_stored_conversation_with_the_sa
     assert {first.id, second.id} <= saved
     server.runtime.delete_saved(second.id, _owner(KEY))
     before = server.runtime.stats()
-    again = client.responses.create(model="default", input=TURNS[2], instructions=INSTRUCTIONS,
-                                    max_output_tokens=MAX_TOKENS, temperature=0, previous_response_id=second.id)
+    again = checked(client.responses.create(model="default", input=TURNS[2], instructions=INSTRUCTIONS, temperature=0,
+                                            max_output_tokens=MAX_TOKENS, previous_response_id=second.id))
     after = idle(server)
     assert again.output_text == kept[2].output_text
     # no saved set was opened: the stored conversation was computed whole, through the prefix cache
@@ -125,7 +126,7 @@ def test_a_gone_saved_set_is_recomputed_from_the_stored_conversation_with_the_sa
 
 def test_stored_responses_are_per_key_and_store_false_ones_are_not_kept(server, client):
     other = OpenAI(base_url=server.url + "/v1", api_key=OTHER, max_retries=0)
-    mine = client.responses.create(model="default", input=TURNS[0], max_output_tokens=4, temperature=0)
+    mine = checked(client.responses.create(model="default", input=TURNS[0], max_output_tokens=4, temperature=0))
     with pytest.raises(openai.NotFoundError) as info:
         other.responses.retrieve(mine.id)
     assert info.value.body["message"] == f"Response with id {mine.id!r} not found."
@@ -137,8 +138,8 @@ def test_stored_responses_are_per_key_and_store_false_ones_are_not_kept(server, 
     assert server.runtime.saved(_owner(OTHER)) == []
 
     names = {s["name"] for s in server.runtime.saved(_owner(KEY))}
-    unkept = client.responses.create(model="default", input=TURNS[0], max_output_tokens=4, temperature=0,
-                                     store=False)
+    unkept = checked(client.responses.create(model="default", input=TURNS[0], max_output_tokens=4, temperature=0,
+                                             store=False))
     assert unkept.output_text == mine.output_text and unkept.store is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unkept.id)
@@ -154,15 +155,15 @@ def test_stored_responses_are_per_key_and_store_false_ones_are_not_kept(server, 
 
 
 def test_function_tools_and_json_schema(server, client):
-    called = client.responses.create(model="default", input="What is the weather in Paris?", temperature=0,
-                                     tools=[{"type": "function", **WEATHER}], tool_choice="required")
+    called = checked(client.responses.create(model="default", input="What is the weather in Paris?", temperature=0,
+                                             tools=[{"type": "function", **WEATHER}], tool_choice="required"))
     call = called.output[-1]
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id
     assert "city" in json.loads(call.arguments)
-    answered = client.responses.create(model="default", previous_response_id=called.id, temperature=0,
-                                       max_output_tokens=16, tools=[{"type": "function", **WEATHER}],
-                                       input=[{"type": "function_call_output", "call_id": call.call_id,
-                                               "output": '{"celsius": 21}'}])
+    answered = checked(client.responses.create(model="default", previous_response_id=called.id, temperature=0,
+                                               max_output_tokens=16, tools=[{"type": "function", **WEATHER}],
+                                               input=[{"type": "function_call_output", "call_id": call.call_id,
+                                                       "output": '{"celsius": 21}'}]))
     assert answered.output[0].type == "message" and answered.usage.input_tokens > called.usage.input_tokens
     streamed, kinds = _create(client, True, model="default", input="What is the weather in Paris?", temperature=0,
                               tools=[{"type": "function", **WEATHER}], tool_choice="required", store=False)
@@ -173,9 +174,34 @@ def test_function_tools_and_json_schema(server, client):
 
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
               "additionalProperties": False}
-    shaped = client.responses.create(model="default", input="Name the capital of France as JSON.", temperature=0,
-                                     text={"format": {"type": "json_schema", "name": "city", "schema": schema}})
+    shaped = checked(client.responses.create(
+        model="default", input="Name the capital of France as JSON.", temperature=0,
+        text={"format": {"type": "json_schema", "name": "city", "schema": schema}}))
     assert set(json.loads(shaped.output_text)) == {"city"}
+
+
+def test_json_object_is_an_object_and_unknown_fields_and_a_max_output_past_the_context_are_refused(server, client):
+    """OpenAI's JSON mode is a JSON object, even where the prompt asks for another value; a field the
+    API does not have is refused by name, and so is a max_output_tokens past the context, under the
+    name the user wrote."""
+    before = idle(server)
+    for extra, param in (({"temprature": 0.5}, "temprature"),
+                         ({"text": {"format": {"type": "json_object", "schema": {}}}}, "text.format.schema")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model="default", input="Hi", max_output_tokens=4, extra_body=extra)
+        assert refused.value.param == param, refused.value.body
+        assert refused.value.body["message"] == f"Unrecognized request argument supplied: {param}"
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model="default", input="Hi", max_output_tokens=10**6, stream=stream)
+        assert refused.value.param == "max_output_tokens"
+        assert refused.value.body["message"].startswith("max_output_tokens")
+    assert idle(server)["batch_sizes"] == before["batch_sizes"]            # no pass ran for any of them
+    shaped = checked(client.responses.create(model="default", input='Answer with the JSON string "Paris" only.',
+                                             temperature=0, max_output_tokens=32, store=False,
+                                             text={"format": {"type": "json_object"}}))
+    assert shaped.output_text.startswith("{"), shaped.output_text  # an object, whole or cut by max_output_tokens
+    assert shaped.status == "incomplete" or isinstance(json.loads(shaped.output_text), dict), shaped.output_text
 
 
 def test_a_client_that_leaves_mid_stream_leaves_no_stored_response_and_no_saved_set(server, client):
@@ -213,7 +239,7 @@ def test_bad_requests_get_openai_errors_and_the_store_stays_bounded(server, clie
     assert len(server.serving.responses) == 8              # the bound: the oldest went
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(made[0])
-    client.responses.retrieve(made[-1])
+    checked(client.responses.retrieve(made[-1]))
     for response_id in made[1:]:
         client.responses.delete(response_id)
     saved = server.runtime.saved(_owner(KEY))

@@ -294,7 +294,8 @@ async def generate_content(serving: Serving, request: Request, body: GenerateReq
     return await answer(serving, request, GEMINI_GENERATE, generate_input(body), stream,
                         lambda result: generate_response(result, reply),
                         lambda call, start: (_events if sse else _array)(_chunks(call, reply)), API,
-                        media_type=SSE if sse else "application/json; charset=UTF-8")
+                        media_type=SSE if sse else "application/json; charset=UTF-8",
+                        written={"max_tokens": "generationConfig.maxOutputTokens"})
 
 
 async def count_tokens(serving: Serving, request: Request, body: CountRequest) -> Response:

@@ -3,8 +3,10 @@
 become OpenAI's objects and `chat.completion.chunk` / `text_completion` stream chunks."""
 from __future__ import annotations
 
+import hashlib
 import secrets
 import time
+from importlib.metadata import version
 from typing import Annotated, Any, AsyncIterator, Literal, Optional, Union
 
 from pydantic import Field
@@ -13,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 from .errors import ApiError
 from .inferlets import Call
-from .routes import Api, Flag, Route, Serving, Shape, answer, count
+from .routes import Api, Flag, Route, Serving, Shape, Strict, answer, count
 from .sse import frame
 
 __all__ = ["API", "ROUTES", "usage"]
@@ -90,7 +92,7 @@ class JsonSchemaFormat(Shape):
     schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
 
 
-class ResponseFormat(Shape):
+class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JsonSchemaFormat] = None
 
@@ -99,9 +101,12 @@ class StreamOptions(Shape):
     include_usage: Optional[Flag] = None
 
 
-class Sampling(Shape):
+class Sampling(Strict):
     """Fields both generation routes take (top_k, min_p, ignore_eos and stop_token_ids are extras, as
-    in vLLM)."""
+    in vLLM). A field neither OpenAI nor these extras have is refused, as OpenAI refuses it, so a
+    misspelled or unsupported setting is not silently without effect; OpenAI's fields that only
+    label a request for its owner (user, metadata, store, service_tier, prompt_cache_key,
+    safety_identifier) are taken and have no effect here."""
     model: str
     stream: Flag = False
     stream_options: Optional[StreamOptions] = None
@@ -118,6 +123,12 @@ class Sampling(Shape):
     logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None
     ignore_eos: Flag = False
     stop_token_ids: Optional[list[int]] = None
+    user: Optional[str] = None
+    metadata: Optional[dict[str, str]] = None
+    store: Optional[Flag] = None
+    service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
 
     def neutral(self) -> dict[str, Any]:
         return {"temperature": self.temperature, "top_p": self.top_p,
@@ -184,8 +195,8 @@ def _message(m: Message) -> dict[str, Any]:
 def _response_format(fmt: Optional[ResponseFormat]) -> dict[str, Any] | None:
     if fmt is None or fmt.type == "text":
         return None
-    if fmt.type == "json_object":
-        return {"type": "json"}
+    if fmt.type == "json_object":      # OpenAI's JSON mode: the reply is a JSON object
+        return {"type": "json_schema", "schema": {"type": "object"}}
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
         raise ApiError("invalid_request", "response_format json_schema needs json_schema.schema", "response_format")
     return {"type": "json_schema", "schema": fmt.json_schema.schema_}
@@ -252,15 +263,23 @@ def _reply(choice: dict) -> tuple[str, list[dict]]:
     return text, calls
 
 
-class _Reply:
-    """The id, time and model name that every object and chunk of one reply carries."""
+def fingerprint(serving: Serving) -> str:
+    """The system_fingerprint of the replies: a short hash of what produces them (the model, its
+    dtype, this pie_actors), the same for every reply while those stay the same."""
+    served = f"{serving.model}|{serving.runtime.config.engine.dtype}|{version('pie-actors')}"
+    return "fp_" + hashlib.sha256(served.encode()).hexdigest()[:10]
 
-    def __init__(self, kind: str, model: str) -> None:
+
+class _Reply:
+    """The id, time, model name and fingerprint that every object and chunk of one reply carries."""
+
+    def __init__(self, kind: str, serving: Serving, model: str) -> None:
         self.id, self.created, self.model = f"{kind}-{secrets.token_hex(12)}", int(time.time()), model
+        self.fingerprint = fingerprint(serving)
 
     def object(self, kind: str, choices: list, **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "choices": choices, **extra}
+                "system_fingerprint": self.fingerprint, "choices": choices, **extra}
 
 
 def _chat_choice(c: dict) -> dict[str, Any]:
@@ -342,15 +361,16 @@ def _completion_delta(logprobs: bool):
 # ---- handlers ----------------------------------------------------------------------------------
 
 async def chat_completions(serving: Serving, request: Request, body: ChatRequest) -> Response:
-    reply = _Reply("chatcmpl", serving.check_model(body.model))
+    reply = _Reply("chatcmpl", serving, serving.check_model(body.model))
     return await answer(serving, request, "/v1/chat/completions", chat_input(body), body.stream,
                         lambda result: chat_response(result, reply),
                         lambda call, start: _chunks(call, reply, "chat.completion.chunk", body.include_usage(),
-                                                    _roles(body.n), _chat_delta(bool(body.logprobs))), API)
+                                                    _roles(body.n), _chat_delta(bool(body.logprobs))), API,
+                        written={"max_tokens": "max_completion_tokens"} if body.max_completion_tokens else {})
 
 
 async def completions(serving: Serving, request: Request, body: CompletionRequest) -> Response:
-    reply = _Reply("cmpl", serving.check_model(body.model))
+    reply = _Reply("cmpl", serving, serving.check_model(body.model))
     return await answer(serving, request, "/v1/completions", completion_input(body), body.stream,
                         lambda result: completion_response(result, reply),
                         lambda call, start: _chunks(call, reply, "text_completion", body.include_usage(), [],

@@ -23,7 +23,7 @@ import itertools
 import secrets
 import time
 from contextlib import suppress
-from typing import Any, AsyncIterator, Literal, Optional, Union
+from typing import Annotated, Any, AsyncIterator, Literal, Optional, Union
 
 from pydantic import Field
 from starlette.requests import Request
@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from . import openai_api
 from .errors import ApiError
 from .inferlets import Call
-from .routes import Api, Flag, Route, Serving, Shape, answer
+from .routes import Api, Flag, Route, Serving, Shape, Strict, answer
 from .sse import frame
 from .stored import StoredResponse
 
@@ -90,8 +90,16 @@ class NamedFunction(Shape):
     name: str
 
 
-class TextFormat(Shape):
-    type: Literal["text", "json_object", "json_schema"]
+class PlainFormat(Strict):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(Strict):
+    type: Literal["json_schema"]
     name: Optional[str] = None
     schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
     description: Optional[str] = None
@@ -99,10 +107,13 @@ class TextFormat(Shape):
 
 
 class TextConfig(Shape):
-    format: Optional[TextFormat] = None
+    format: Optional[Annotated[Union[PlainFormat, JsonObjectFormat, JsonSchemaFormat],
+                               Field(discriminator="type")]] = None
 
 
-class ResponseRequest(Shape):
+class ResponseRequest(Strict):
+    """A field OpenAI's Responses API does not have, or one this server does not implement, is
+    refused by name; those that only label a request for its owner are taken without effect."""
     model: Optional[str] = None
     input: Union[str, list[InputItem]]
     instructions: Optional[str] = None
@@ -118,6 +129,9 @@ class ResponseRequest(Shape):
     previous_response_id: Optional[str] = None
     metadata: Optional[dict[str, str]] = None
     user: Optional[str] = None
+    service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
 
 
 # ---- requests -> the endpoint's input ----------------------------------------------------------
@@ -163,8 +177,8 @@ def _format(text: Optional[TextConfig]) -> dict[str, Any] | None:
     fmt = text.format if text is not None else None
     if fmt is None or fmt.type == "text":
         return None
-    if fmt.type == "json_object":
-        return {"type": "json"}
+    if fmt.type == "json_object":      # OpenAI's JSON mode: the reply is a JSON object
+        return {"type": "json_schema", "schema": {"type": "object"}}
     if fmt.schema_ is None:
         raise ApiError("invalid_request", "text.format json_schema needs a schema", "text.format.schema")
     return {"type": "json_schema", "schema": fmt.schema_}
@@ -395,7 +409,7 @@ async def _forget_after(serving: Serving, call: Call, owner: str | None, name: s
 async def create(serving: Serving, request: Request, body: ResponseRequest) -> Response:
     reply = Reply(serving, request, body)
     return await answer(serving, request, KEY, reply.input(), body.stream, reply.respond, reply.events, API,
-                        closed=reply.closed)
+                        closed=reply.closed, written={"max_tokens": "max_output_tokens"})
 
 
 def _stored(serving: Serving, request: Request) -> tuple[str, StoredResponse | None]:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from types import MappingProxyType
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
 from starlette.requests import Request
@@ -23,7 +24,7 @@ from .sessions import Sessions
 from .stored import StoredResponses
 from .sse import SSE, EventStream, frame
 
-__all__ = ["Api", "Route", "Serving", "Shape", "Flag", "parse", "answer", "count"]
+__all__ = ["Api", "Route", "Serving", "Shape", "Strict", "Flag", "parse", "answer", "count"]
 
 CLIENT_CLOSED = 499          # what the log and metrics say of a request whose client left first
 
@@ -37,6 +38,13 @@ class Shape(BaseModel):
     (clients send more than a server needs)."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class Strict(Shape):
+    """A request shape whose unknown fields are refused (as OpenAI refuses them), each named in
+    the error: "Unrecognized request argument supplied: <name>"."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,11 @@ async def parse(request: Request, shape: type[BaseModel]) -> BaseModel:
     try:
         return shape.model_validate(data)
     except ValidationError as e:
+        unknown = [".".join(map(str, _user_path(error["loc"], data, False))) for error in e.errors()
+                   if error["type"] == "extra_forbidden"]
+        if unknown:
+            raise ApiError("invalid_request", f"Unrecognized request argument supplied: {unknown[0]}",
+                           unknown[0]) from None
         where, message = _first_error(e.errors(), data)
         raise ApiError("invalid_request", f"{where}: {message}" if where else message, where or None) from None
 
@@ -152,12 +165,26 @@ def _first_error(errors: list[dict], data: Any) -> tuple[str, str]:
 
 async def answer(serving: Serving, request: Request, key: str, input: dict[str, Any], stream: bool,
                  respond: Callable[[dict], dict], frames: Callable[[Call, dict], AsyncIterator[str]],
-                 api: Api, closed: Callable[[Call], None] = Call.close, media_type: str = SSE) -> Response:
+                 api: Api, closed: Callable[[Call], None] = Call.close, media_type: str = SSE,
+                 written: Mapping[str, str] = MappingProxyType({})) -> Response:
     """Launch endpoint `key` on `input` as the process of the request's owner (its key). Not
     streaming: `respond(result)` once it has ended. Streaming: wait for its start (a refusal is
     still an error response), then `frames(call, start)` (server-sent events, or `media_type`); a client that
     leaves ends the inferlet either way. `closed(call)` runs once the request is over, however it
-    ended (default: end the inferlet). A request without max_tokens gets the server's default."""
+    ended (default: end the inferlet). A request without max_tokens gets the server's default.
+    `written` maps input fields to the names the request gave them (max_tokens ->
+    max_completion_tokens): the endpoint's refusals name the field the user wrote."""
+    try:
+        return await _answer(serving, request, key, input, stream, respond, frames, api, closed, media_type)
+    except ApiError as e:
+        if e.param not in written:
+            raise
+        raise ApiError(e.kind, e.message.replace(e.param, written[e.param]), written[e.param]) from None
+
+
+async def _answer(serving: Serving, request: Request, key: str, input: dict[str, Any], stream: bool,
+                  respond: Callable[[dict], dict], frames: Callable[[Call, dict], AsyncIterator[str]],
+                  api: Api, closed: Callable[[Call], None], media_type: str) -> Response:
     input = {**input, "stream": stream, "default_max_tokens": serving.default_max_tokens}
     call = await serving.endpoints.launch(key, input, request.state.owner)
     if not stream:
