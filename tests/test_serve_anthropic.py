@@ -203,9 +203,11 @@ def test_empty_content_and_a_max_tokens_past_the_context_are_refused(client):
         with pytest.raises(anthropic.BadRequestError) as refused:
             create(client, [{"role": "user", "content": empty}])
         assert "messages.0.content" in refused.value.message
-    with pytest.raises(anthropic.BadRequestError) as huge:
-        create(client, max_tokens=10**9)
-    assert "max_tokens" in huge.value.message
+    # the SDK refuses a long request without a stream or a timeout of its own before sending it
+    for long in ({"timeout": 120}, {"stream": True}):
+        with pytest.raises(anthropic.BadRequestError) as huge:
+            create(client, max_tokens=10**9, **long)
+        assert huge.value.body["error"]["message"].startswith("max_tokens must be")
     prefill = [*ASK, {"role": "assistant", "content": ""}]         # an empty final assistant turn is fine
     assert create(client, prefill, max_tokens=4).content
 
@@ -235,6 +237,10 @@ def test_unknown_paths_wrong_methods_and_loading_in_anthropics_shape(server, def
     with TestClient(build_app(loading, ())) as app:
         response = app.post("/v1/messages", json={"model": "default", "max_tokens": 4, "messages": ASK})
     assert response.status_code == 529 and response.json()["error"]["type"] == "overloaded_error"
+    # the document lists the answers these routes give: 405 and 529, and not the 503 they never give
+    document = httpx.get(server.url + "/openapi.json", headers=HEADERS).json()
+    messages = document["paths"]["/v1/messages"]["post"]["responses"]
+    assert {"405", "529"} <= set(messages) and "503" not in messages
 
 
 def test_thinking_of_the_turn_in_progress_is_fed_back_and_earlier_thinking_is_not(thinking_server):

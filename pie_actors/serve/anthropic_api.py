@@ -230,7 +230,7 @@ class _Stream:
         if kind in ("text", "cut_call") and m["text"]:          # a cut call as text, as in messages_response
             return self._into("text", {"type": "text", "text": ""}) + [self._delta(type="text_delta", text=m["text"])]
         if kind == "thinking":
-            return (self._into("thinking", {"type": "thinking", "thinking": ""})
+            return (self._into("thinking", {"type": "thinking", "thinking": "", "signature": ""})
                     + [self._delta(type="thinking_delta", thinking=m["text"])])
         if kind == "tool_call":
             return (self._open("tool_use", {"type": "tool_use", "id": m["id"], "name": m["name"], "input": {}})

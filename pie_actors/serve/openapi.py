@@ -7,17 +7,21 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
+from .errors import KINDS, ApiError
 from .routes import Route
 
 __all__ = ["document"]
 
-ERRORS = {"400": "A malformed body, a bad field, or a prompt over the model's context.",
+# what each status a route may answer means; which statuses a route has comes from its API's shape
+ERRORS = {"400": "A malformed body, a bad or unknown field, or a prompt over the model's context.",
           "401": "A missing or wrong API key (OpenAI, Anthropic).",
           "403": "No API key (Gemini).",
-          "404": "An unknown model, or a stored response this key does not have.",
+          "404": "An unknown model or path, or a stored response this key does not have.",
+          "405": "A path the server has, asked with another method (OpenAI, Anthropic).",
           "429": "Over one of the key's quotas (serve.quotas): inferlets, tokens per minute, KV pages.",
           "500": "The endpoint inferlet failed.",
-          "503": "The engine is still loading."}
+          "503": "The engine is still loading.",
+          "529": "The engine is still loading (Anthropic's overloaded_error)."}
 SECURITY = {"bearer": {"type": "http", "scheme": "bearer"},
             "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"},
             "x-goog-api-key": {"type": "apiKey", "in": "header", "name": "x-goog-api-key"},
@@ -30,10 +34,11 @@ def _responses(route: Route) -> dict[str, Any]:
         ok["text/event-stream"] = {"schema": {"type": "string"}}
     if route.path == "/metrics":
         ok = {"text/plain": {"schema": {"type": "string"}}}
-    errors = {"503": ERRORS["503"]} if route.public else ERRORS
+    kinds = ("unavailable",) if route.public else KINDS
+    statuses = sorted({str(route.api.shape(ApiError(kind, ""))[0]) for kind in kinds})
     return {"200": {"description": "OK", "content": ok},
-            **{status: {"description": text, "content": {"application/json": {"schema": {"type": "object"}}}}
-               for status, text in errors.items()}}
+            **{status: {"description": ERRORS[status],
+                        "content": {"application/json": {"schema": {"type": "object"}}}} for status in statuses}}
 
 
 def _parameters(route: Route) -> list[dict[str, Any]]:
