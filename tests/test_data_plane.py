@@ -315,14 +315,7 @@ async def main(input):
 @pytest.fixture
 def closable(default_model_dir):
     """An engine of its own served on a local port, for a test that closes the server: (engine, server)."""
-    engine = make_engine(default_model_dir, num_pages=256).start()
-    server = EngineServer(engine)
-    server.start()
-    try:
-        yield engine, server
-    finally:
-        server.close()
-        engine.close()
+    yield from serve(default_model_dir)
 
 
 def _run_until_sent(launch: Launch, server: EngineServer) -> tuple[threading.Thread, list]:
