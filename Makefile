@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml Makefile
 	# the CPU attention kernel (pie_actors/gpu/kernels/csrc), built once per machine (~25 s) so that the
 	# first engine does not stall on it; without a C++ toolchain engines fall back to torch ops
 	$(PY) -c "from pie_actors.gpu.kernels import cpu_kernels; cpu_kernels.load()"
+	# JavaScript inferlets: componentize-js as pinned by pie_actors/inferlet/js/package-lock.json, and
+	# the JavaScript runner component built once per machine (~2 min; cached like the Python runner)
+	cd pie_actors/inferlet/js && npm ci --no-audit --no-fund --loglevel=error
+	$(PY) -c "from pie_actors.inferlet.build import ensure_js_runner; ensure_js_runner()"
 	touch $(STAMP)
 
 demo: setup

@@ -1,7 +1,8 @@
 """What a launch runs: an inferlet's main module as source text, or a bundle's Python files.
 
-`Program.load` takes what users hand the launch API: a path to a .py file, a path to a bundle
-folder (main.py and its own modules), or the source text itself. A bundle travels as its files'
+`Program.load` takes what users hand the launch API: a path to a .py or .js file, a path to a
+bundle folder (main.py and its own modules), or the source text itself (Python's). A .js file is a
+JavaScript inferlet: its `language` says which runner runs it. A bundle travels as its files'
 text, so it can be built into its own sandbox component wherever it runs (an actor on another node).
 
 A bundle may say what it is in a manifest, `pie.toml` beside its files:
@@ -73,17 +74,20 @@ class Manifest:
 class Program:
     source: str = ""                         # the main module's text ("" for a bundle: its main.py runs)
     bundle: dict[str, str] | None = None     # a bundle: relative path -> text of each .py file
+    language: str = "python"                 # "python" or "javascript" (a .js file)
 
     @classmethod
     def load(cls, program: str | Path | Program) -> Program:
-        """A .py file, a folder with main.py (a bundle when it holds other .py files too), or source
-        text (a string with a newline, or one that names no file). FileNotFoundError for a path
+        """A .py or .js file, a folder with main.py (a bundle when it holds other .py files too), or
+        Python source text (a string with a newline, or one that names no file). FileNotFoundError for a path
         that leads nowhere."""
         if isinstance(program, Program):
             return program
         if isinstance(program, str) and ("\n" in program or not _names_a_file(program)):
             return cls(source=program)
         path = Path(program)
+        if path.is_file() and path.suffix == ".js":
+            return cls(source=path.read_text(encoding="utf-8"), language="javascript")
         if path.is_file() and path.suffix == ".py" and (folder := Manifest.of_file(path)) is not None:
             path = folder
         if path.is_dir():
@@ -93,7 +97,7 @@ class Program:
                 return cls(bundle=_bundle_files(path, main))
             path = main
         if not path.is_file():
-            raise FileNotFoundError(f"no inferlet at {program} (a .py file, or a folder with main.py)")
+            raise FileNotFoundError(f"no inferlet at {program} (a .py or .js file, or a folder with main.py)")
         return cls(source=path.read_text(encoding="utf-8"))
 
     def bundle_key(self) -> str:
@@ -111,4 +115,4 @@ def _bundle_files(folder: Path, entry: Path) -> dict[str, str]:
 
 
 def _names_a_file(text: str) -> bool:
-    return text.endswith((".py", "/")) or Path(text).expanduser().exists()
+    return text.endswith((".py", ".js", "/")) or Path(text).expanduser().exists()

@@ -30,12 +30,13 @@ Requests (client -> server). Each may carry an "id" (any scalar), repeated in it
                                                                    "tokens"}, ...]}   (the key's ws.save sets)
     {"type": "delete_saved", "name": N}                        -> {"type": "ok"}   (its pages return)
 
-P is {"source": TEXT} (a .py file) or {"bundle": {RELATIVE PATH: TEXT}} (a folder's .py files, main.py
-among them); H is `program_hash(P)`: the server keeps a key's recent uploads by hash, so a client
-launches a program it sent before without sending it again ("not_found": upload it). Only "input"
-and "hash" are needed in a launch: "files" are what `session.file(NAME)` reads, "name" the name the
-key's other inferlets `session.send_to`, "timeout" the run's wall-clock limit in seconds (default:
-the server's limits.timeout_s). The process ID is made by the server and cannot be guessed.
+P is {"source": TEXT} (a .py file; a .js file's adds "language": "javascript") or {"bundle":
+{RELATIVE PATH: TEXT}} (a folder's .py files, main.py among them); H is `program_hash(P)`: the
+server keeps a key's recent uploads by hash, so a client launches a program it sent before without
+sending it again ("not_found": upload it). Only "input" and "hash" are needed in a launch: "files"
+are what `session.file(NAME)` reads, "name" the name the key's other inferlets `session.send_to`,
+"timeout" the run's wall-clock limit in seconds (default: the server's limits.timeout_s). The
+process ID is made by the server and cannot be guessed.
 
 Events (server -> client) of the processes a connection is attached to (a launch attaches its
 connection unless "detach" is true). "seq" numbers a process's events from 0, across attachments:
@@ -140,13 +141,16 @@ def binary(value: Any, what: str) -> bytes:
 
 def program_payload(program: Program) -> dict[str, Any]:
     """What an upload carries of `program`."""
-    return {"bundle": program.bundle} if program.bundle is not None else {"source": program.source}
+    if program.bundle is not None:
+        return {"bundle": program.bundle}
+    return {"source": program.source, **({"language": program.language} if program.language != "python" else {})}
 
 
 def program_of(payload: Any) -> Program:
     """The Program an upload carries; RequestError("bad_frame") for anything else."""
-    if isinstance(payload, dict) and set(payload) == {"source"} and isinstance(payload["source"], str):
-        return Program(source=payload["source"])
+    if (isinstance(payload, dict) and set(payload) - {"language"} == {"source"} and isinstance(payload["source"], str)
+            and payload.get("language", "python") in ("python", "javascript")):
+        return Program(source=payload["source"], language=payload.get("language", "python"))
     if isinstance(payload, dict) and set(payload) == {"bundle"} and isinstance(payload["bundle"], dict):
         files = payload["bundle"]
         for path, text in files.items():
@@ -156,7 +160,8 @@ def program_of(payload: Any) -> Program:
         if "main.py" not in files:
             raise RequestError("bad_frame", "a bundle needs a main.py")
         return Program(bundle=dict(files))
-    raise RequestError("bad_frame", 'program must be {"source": TEXT} or {"bundle": {PATH: TEXT}}')
+    raise RequestError("bad_frame", 'program must be {"source": TEXT, "language"?: "python" | "javascript"} '
+                                    'or {"bundle": {PATH: TEXT}}')
 
 
 def program_hash(program: Program) -> str:

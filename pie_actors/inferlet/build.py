@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import Callable
 
 from ..config import pie_home
 from ..program import Manifest
@@ -280,8 +281,9 @@ def _hit(path: Path, key: str) -> Artifact:
     return Artifact(path, key, from_cache=True)
 
 
-def _ensure(name: str, bundle_source: str, engine=None) -> Artifact:
-    key = _key(bundle_source)
+def _ensure(name: str, key: str, build: Callable[[Path], None], engine=None) -> Artifact:
+    """The compiled component `name` under content key `key`; on a miss `build(out)` writes its
+    .wasm to `out`, and wasmtime compiles it."""
     path = cache_dir() / f"{name}-{key[:32]}.cwasm"
     if path.is_file():
         return _hit(path, key)
@@ -296,7 +298,7 @@ def _ensure(name: str, bundle_source: str, engine=None) -> Artifact:
         with tempfile.TemporaryDirectory(prefix="pie-wasm-") as tmp:
             wasm = Path(tmp) / f"{name}.wasm"
             t0 = time.perf_counter()
-            componentize(wasm, bundle_source)
+            build(wasm)
             t1 = time.perf_counter()
             component = Component.from_file(engine, str(wasm))
             blob = component.serialize()
@@ -312,7 +314,7 @@ def _ensure(name: str, bundle_source: str, engine=None) -> Artifact:
 
 def ensure_runner(engine=None) -> Artifact:
     """The compiled runner component, built and compiled first if the cache lacks it."""
-    return _ensure("runner", EMPTY_BUNDLE, engine)
+    return _ensure("runner", _key(EMPTY_BUNDLE), componentize, engine)
 
 
 def build_bundle(bundle_dir, engine=None) -> Artifact:
@@ -328,7 +330,48 @@ def build_bundle(bundle_dir, engine=None) -> Artifact:
     if not bundle_dir.is_dir():
         raise NotADirectoryError(f"{bundle_dir} is not a directory")
     files, preimport, missing = _scan_bundle(bundle_dir)
-    art = _ensure("bundle", _bundle_module_source(files, preimport), engine)
+    bundle_source = _bundle_module_source(files, preimport)
+    art = _ensure("bundle", _key(bundle_source), lambda out: componentize(out, bundle_source), engine)
     art.modules = sorted(files)
     art.missing = missing
     return art
+
+
+# ---------------------------------------------------------------------------------------------
+# the JavaScript runner
+
+JS_DIR = HERE / "js"                     # runner.js, the SDK inferlet.js, the pinned componentize-js
+JS_SOURCES = ("runner.js", "inferlet.js", "package-lock.json")
+# WASI left out of the JavaScript runner. Clocks stay: the runner's event loop takes its turns
+# with setTimeout, which needs them; so do random (Math.random) and stdio (console.log goes where
+# a Python inferlet's print goes).
+JS_DISABLED = ("http", "fetch-event")
+
+
+def _js_key() -> str:
+    h = hashlib.sha256()
+    for path in sorted(WIT_DIR.rglob("*.wit")) + [JS_DIR / name for name in JS_SOURCES]:
+        h.update(path.relative_to(HERE).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    h.update(f"wasmtime {metadata.version('wasmtime')}".encode() + b"\0")
+    h.update(repr(sorted(ENGINE_SETTINGS.items())).encode() + b"\0")
+    h.update(platform.machine().encode())
+    return h.hexdigest()
+
+
+def componentize_js(out: Path) -> None:
+    """Run componentize-js (installed in js/node_modules by `make setup`): runner.js and the SDK
+    it imports -> component at `out`."""
+    cli = JS_DIR / "node_modules" / ".bin" / "componentize-js"
+    if not cli.is_file():
+        raise RuntimeError(f"componentize-js is not installed: run `npm ci` in {JS_DIR} (make setup does)")
+    cmd = [str(cli), str(JS_DIR / "runner.js"), "--wit", str(WIT_DIR), "--world-name", WORLD,
+           "-d", *JS_DISABLED, "-o", str(out)]
+    proc = subprocess.run(cmd, cwd=JS_DIR, capture_output=True, text=True)
+    if proc.returncode != 0 or not out.is_file():
+        raise RuntimeError(f"componentize-js failed (exit {proc.returncode}):\n"
+                           f"{proc.stdout}\n{proc.stderr}".strip())
+
+
+def ensure_js_runner(engine=None) -> Artifact:
+    """The compiled JavaScript runner component, built and compiled first if the cache lacks it."""
+    return _ensure("js-runner", _js_key(), componentize_js, engine)

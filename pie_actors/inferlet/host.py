@@ -495,11 +495,12 @@ class Sandbox:
     (RunLimits: deadline, memory, tables, message size) are defaults that each run may override. Runs
     may happen concurrently on different threads. `engine`: the wasmtime Engine to compile and run
     in (default: the process's pooled one, build.shared_engine). `codes_kept`: how many main
-    modules' compiled code it keeps for their next runs (0: each run compiles its own).
+    modules' compiled code it keeps for their next runs (0: each run compiles its own). `runner`:
+    the runner component's artifact for an engine (build.ensure_js_runner: JavaScript's).
     """
 
     def __init__(self, bundle=None, *, limits: RunLimits | None = None, engine=None,
-                 codes_kept: int = CODES_KEPT):
+                 codes_kept: int = CODES_KEPT, runner: Callable[[Any], Artifact] = ensure_runner):
         import wasmtime
         from wasmtime.component import Component, Linker
 
@@ -510,7 +511,7 @@ class Sandbox:
         self.limits = limits or RunLimits()
         self.is_runner = bundle is None        # the plain runner: a bundle's modules come with each run
         self.artifact: Artifact = (build_bundle(bundle, self.engine) if bundle is not None
-                                   else ensure_runner(self.engine))
+                                   else runner(self.engine))
         t0 = time.perf_counter()
         self.component = Component.deserialize_file(self.engine, str(self.artifact.path))
         self.deserialize_s = time.perf_counter() - t0

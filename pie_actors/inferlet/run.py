@@ -16,7 +16,7 @@ from ..gpu.engine.wire import EngineAddress
 from ..launch import Launch
 from ..process import Done, Event, Failed
 from ..program import Program
-from .build import bundle_modules, cache_dir, fits_runner
+from .build import bundle_modules, cache_dir, ensure_js_runner, fits_runner
 from .host import HostOpError, InferletError, Sandbox
 from .ops import InferletHost
 from .peers import Peers
@@ -26,21 +26,29 @@ __all__ = ["Run", "sandbox_for"]
 
 MAX_BUNDLES = 4          # bundle sandboxes kept loaded per process
 
-_sandboxes: OrderedDict[str | None, Sandbox] = OrderedDict()    # bundle key (None: the runner) -> Sandbox
+# bundle key (None: the runner, JAVASCRIPT: the JavaScript runner) -> Sandbox
+_sandboxes: OrderedDict[str | None, Sandbox] = OrderedDict()
+JAVASCRIPT = "javascript"
 _sandboxes_lock = threading.Lock()
 
 
 def sandbox_for(program: Program) -> Sandbox:
     """The Sandbox that runs `program`: the shared runner (source text, or a bundle whose imports it
-    holds: its files go to the guest at launch), or the bundle's own component (unpacked under the
-    cache and built on first use)."""
-    key = None if program.bundle is None or fits_runner(program.bundle) else program.bundle_key()
+    holds: its files go to the guest at launch), the bundle's own component (unpacked under the
+    cache and built on first use), or for a JavaScript program the JavaScript runner."""
+    if program.language == JAVASCRIPT:
+        key = JAVASCRIPT
+    else:
+        key = None if program.bundle is None or fits_runner(program.bundle) else program.bundle_key()
     with _sandboxes_lock:
         sandbox = _sandboxes.get(key)
         if sandbox is None:
-            sandbox = Sandbox() if key is None else Sandbox(bundle=_unpack(program.bundle, key))
-            bundles = [k for k in _sandboxes if k is not None]
-            if key is not None and len(bundles) >= MAX_BUNDLES:
+            if key == JAVASCRIPT:
+                sandbox = Sandbox(runner=ensure_js_runner)
+            else:
+                sandbox = Sandbox() if key is None else Sandbox(bundle=_unpack(program.bundle, key))
+            bundles = [k for k in _sandboxes if k not in (None, JAVASCRIPT)]
+            if key not in (None, JAVASCRIPT) and len(bundles) >= MAX_BUNDLES:
                 del _sandboxes[bundles[0]]
             _sandboxes[key] = sandbox
         _sandboxes.move_to_end(key)
