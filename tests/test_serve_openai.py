@@ -284,6 +284,35 @@ def test_unknown_fields_are_refused_by_name_and_known_extras_taken(server, clien
                                      extra_body=taken).usage.completion_tokens == 2
 
 
+def test_the_real_apis_fields_are_taken_or_refused_as_not_implemented(server, client):
+    """Every field of the openai SDK's own create params is either read by pie serve's request shape
+    or listed as not implemented, which answers 400 "Unsupported parameter" naming it (as OpenAI
+    answers a parameter a model lacks) rather than "Unrecognized"."""
+    from openai.types import completion_create_params
+    from openai.types.chat import completion_create_params as chat_create_params
+    from openai.types.responses import response_create_params
+
+    from pie_actors.serve.openai_api import ChatRequest, CompletionRequest
+    from pie_actors.serve.responses_api import ResponseRequest
+
+    for params, shape in ((chat_create_params.CompletionCreateParamsBase, ChatRequest),
+                          (completion_create_params.CompletionCreateParamsBase, CompletionRequest),
+                          (response_create_params.ResponseCreateParamsBase, ResponseRequest)):
+        assert set(params.__annotations__) - set(shape.model_fields) <= shape.not_implemented, shape
+        assert not shape.not_implemented & set(shape.model_fields), shape
+    before = idle(server)
+    for call, name in ((lambda: chat(client, max_tokens=4, extra_body={"verbosity": "low"}), "verbosity"),
+                       (lambda: client.completions.create(model="default", prompt="Hi", max_tokens=4, suffix="!"),
+                        "suffix"),
+                       (lambda: client.responses.create(model="default", input="Hi", max_output_tokens=4,
+                                                        reasoning={"effort": "low"}), "reasoning")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            call()
+        assert refused.value.param == name, refused.value.body
+        assert refused.value.body["message"] == f"Unsupported parameter: '{name}' is not supported by this server"
+    assert idle(server)["batch_sizes"] == before["batch_sizes"]            # no pass ran for any of them
+
+
 def test_system_fingerprint_is_on_every_object_and_chunk_and_stable(client):
     reply = chat(client, max_tokens=4)
     assert reply.system_fingerprint and reply.system_fingerprint.startswith("fp_")

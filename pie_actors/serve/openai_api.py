@@ -142,6 +142,9 @@ class Sampling(Strict):
 
 
 class ChatRequest(Sampling):
+    not_implemented = frozenset({"audio", "modalities", "prediction", "functions", "function_call", "moderation",
+                                 "prompt_cache_options", "prompt_cache_retention", "reasoning_effort", "verbosity",
+                                 "web_search_options"})
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: Optional[Flag] = None
@@ -154,6 +157,7 @@ class ChatRequest(Sampling):
 
 class CompletionRequest(Sampling):
     """A prompt is text or token ids (as OpenAI's spec and vLLM take them), or a list of either."""
+    not_implemented = frozenset({"best_of", "suffix"})
     prompt: Union[str, list[str], list[int], list[list[int]]]
     echo: Flag = False
     logprobs: Optional[int] = Field(None, ge=0, le=5)

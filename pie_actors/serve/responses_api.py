@@ -114,6 +114,10 @@ class TextConfig(Shape):
 class ResponseRequest(Strict):
     """A field OpenAI's Responses API does not have, or one this server does not implement, is
     refused by name; those that only label a request for its owner are taken without effect."""
+    not_implemented = frozenset({"access_programs", "background", "background_options", "context_management",
+                                 "conversation", "image", "include", "max_tool_calls", "moderation", "prompt",
+                                 "prompt_cache_options", "prompt_cache_retention", "reasoning", "stream_options",
+                                 "top_logprobs", "truncation"})
     model: Optional[str] = None
     input: Union[str, list[InputItem]]
     instructions: Optional[str] = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, AsyncIterator, Awaitable, Callable, ClassVar, Mapping
 
 from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError
 from starlette.requests import Request
@@ -42,9 +42,12 @@ class Shape(BaseModel):
 
 class Strict(Shape):
     """A request shape whose unknown fields are refused (as OpenAI refuses them), each named in
-    the error: "Unrecognized request argument supplied: <name>"."""
+    the error: "Unrecognized request argument supplied: <name>"; a field of the real API that this
+    server does not implement (`not_implemented`) as OpenAI refuses a parameter a model lacks:
+    "Unsupported parameter: '<name>' is not supported by this server"."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    not_implemented: ClassVar[frozenset[str]] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -120,8 +123,11 @@ async def parse(request: Request, shape: type[BaseModel]) -> BaseModel:
         unknown = [".".join(map(str, _user_path(error["loc"], data, False))) for error in e.errors()
                    if error["type"] == "extra_forbidden"]
         if unknown:
-            raise ApiError("invalid_request", f"Unrecognized request argument supplied: {unknown[0]}",
-                           unknown[0]) from None
+            name = unknown[0]
+            message = (f"Unsupported parameter: '{name}' is not supported by this server"
+                       if name in getattr(shape, "not_implemented", ()) else
+                       f"Unrecognized request argument supplied: {name}")
+            raise ApiError("invalid_request", message, name) from None
         where, message = _first_error(e.errors(), data)
         raise ApiError("invalid_request", f"{where}: {message}" if where else message, where or None) from None
 
