@@ -94,7 +94,7 @@ def test_a_killed_engine_fails_its_programs_and_restarts_for_new_ones(cluster):
     for p in running:
         end = [e for e in p.events(timeout=60)][-1]
         # the host's typed error, raised in the inferlet (which does not catch it)
-        assert isinstance(end, Failed) and "ConnectionLost: the connection to the engine" in end.message, end
+        assert isinstance(end, Failed) and "ConnectionLost: the engine connection was lost: the connection to the engine" in end.message, end
     again = runtime.launch(GREEDY, {"prompt": [9, 8, 7], "n": 12}, node=nodes["b"])
     assert again.result(timeout=180) == want                           # the restarted engine, its new port
     after = ray.get(engine.address.remote(), timeout=60)

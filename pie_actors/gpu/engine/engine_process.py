@@ -46,6 +46,7 @@ class EngineProcess:
         self._process.start()
         child.close()
         self._lock = threading.Lock()
+        self._reaping = threading.Lock()
         if not self._pipe.poll(START_S):
             self.close()
             raise TimeoutError(f"the engine process did not start within {START_S:.0f} s")
@@ -62,7 +63,8 @@ class EngineProcess:
 
     def death(self) -> str:
         """Why it ended (once it has)."""
-        self._process.join()
+        with self._reaping:      # a second join at once would find the child reaped, its exit code unread
+            self._process.join()
         return f"the engine process died (exit code {self._process.exitcode})"
 
     def stats(self) -> wire.Stats:
@@ -80,13 +82,14 @@ class EngineProcess:
 
     def close(self) -> None:
         """Stop the engine; its process ends."""
-        if self._process.is_alive():
-            with self._lock:
-                self._pipe.close()                 # the child's recv ends: it stops serving
-            self._process.join(30)
-        if self._process.is_alive():
-            self._process.kill()
-        self._process.join()
+        with self._reaping:
+            if self._process.is_alive():
+                with self._lock:
+                    self._pipe.close()             # the child's recv ends: it stops serving
+                self._process.join(30)
+            if self._process.is_alive():
+                self._process.kill()
+            self._process.join()
         self._pipe.close()
 
     def _call(self, name: str, *args: Any) -> Any:
