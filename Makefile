@@ -20,10 +20,11 @@ $(STAMP): pyproject.toml Makefile
 	# the CPU attention kernel (pie_actors/gpu/kernels/csrc), built once per machine (~25 s) so that the
 	# first engine does not stall on it; without a C++ toolchain engines fall back to torch ops
 	$(PY) -c "from pie_actors.gpu.kernels import cpu_kernels; cpu_kernels.load()"
-	# JavaScript inferlets: componentize-js as pinned by pie_actors/inferlet/js/package-lock.json, and
-	# the JavaScript runner component built once per machine (~2 min; cached like the Python runner)
+	# the sandbox's runner components, built once into $$PIE_HOME's cache (~30 s for Python) so that a
+	# first `pie serve` or `pie run` does not build them; JavaScript's needs componentize-js as pinned
+	# by pie_actors/inferlet/js/package-lock.json
 	cd pie_actors/inferlet/js && npm ci --no-audit --no-fund --loglevel=error
-	$(PY) -c "from pie_actors.inferlet.build import ensure_js_runner; ensure_js_runner()"
+	$(PY) -c "from pie_actors.inferlet.build import ensure_js_runner, ensure_runner; ensure_runner(); ensure_js_runner()"
 	touch $(STAMP)
 
 demo: setup
