@@ -18,7 +18,7 @@ import torch
 from pie_actors.gpu.engine import Engine
 from tests import test_eta_triton, test_triton_attention
 from tests.engine_helpers import save_tiny_model
-from tests.test_compiled_decode import KW, _decode_logits
+from tests.test_compiled_decode import KW, assert_buckets_1_2_4_match_eager
 from tests.test_shipped_config import TOKENS, check_against_reference, reference, shipped_engine  # noqa: F401
 from tests.test_tp import _check_same_as_tp1, ray_local  # noqa: F401  (ray_local: a fixture)
 
@@ -66,13 +66,7 @@ def test_compiled_decode_matches_eager(tmp_path, monkeypatch):
     kw = {**KW, "device": "cuda"}
     eager = Engine.from_model(str(folder), compile="off", **kw)
     engine = Engine.from_model(str(folder), compile="on", compile_max_batch=4, progress=False, **kw)
-    g = torch.Generator().manual_seed(0)
-    for lengths in ((9,), (2, 1), (3, 9, 14)):
-        prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
-        for w, c in zip(_decode_logits(eager, prompts, 12), _decode_logits(engine, prompts, 12)):
-            torch.testing.assert_close(c, w, atol=1e-4, rtol=1e-4)
-    assert engine.worker.compiled.runs == {1: 11, 2: 11, 4: 11}
-    engine.kv.check()
+    assert_buckets_1_2_4_match_eager(eager, engine)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tp = 2 needs two CUDA devices")
