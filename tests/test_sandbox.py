@@ -363,7 +363,7 @@ def test_second_load_is_served_from_the_cache(sandbox, monkeypatch):
     t0 = time.perf_counter()
     again = Sandbox(limits=LIMITS)
     assert again.from_cache and again.artifact.path == sandbox.artifact.path
-    assert again.artifact.path.is_file() and again.artifact.path.parent == build_mod.cache_dir()
+    assert again.artifact.path.is_file() and again.artifact.path.parent == build_mod.runner_dir()
     print(f"\ncached load: {(time.perf_counter() - t0) * 1000:.1f} ms "
           f"(deserialize {again.deserialize_s * 1000:.1f} ms)")
     assert run_ok(again, ROUND_TRIP, {"question": "q", "n": 9})[0]["n"] == 10

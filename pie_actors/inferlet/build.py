@@ -7,10 +7,12 @@ bundle that needs more gets a component of its own that also holds its files and
 (`build_bundle`, behind `pie build DIR`).
 
 componentize-py turns the SDK into a .wasm (~8 s); wasmtime compiles that to machine code
-(~5-8 s). Both happen once: the compiled artifact (`Component.serialize()`) is cached under
-$PIE_HOME/cache/inferlet/, keyed by a hash of everything that shapes it (WIT, SDK sources, the
+(~5-8 s). Both happen once: the compiled artifact (`Component.serialize()`) is cached, keyed by a hash of everything that shapes it (WIT, SDK sources, the
 bundle's files, componentize-py and wasmtime versions, the engine settings, the CPU
-architecture), and later loads are a `Component.deserialize_file` of a few milliseconds.
+architecture), and later loads are a `Component.deserialize_file` of a few milliseconds. Bundles
+are cached under $PIE_HOME/cache/inferlet/. The runners depend on the installed package alone,
+so they are cached beside it (`runner_dir`): `make setup` builds them there once, and a new
+$PIE_HOME does not build them again.
 Concurrent builders of the same key (a pool of actors starting together) serialize on a file
 lock, so the work is done once.
 """
@@ -100,6 +102,14 @@ def _keep_guest_traps_catchable() -> None:
 
 def cache_dir() -> Path:
     return pie_home() / "cache" / "inferlet"
+
+
+def runner_dir() -> Path:
+    """Where the runner components are cached: beside the installed package (under the
+    environment's prefix) when it is writable, else $PIE_HOME's cache."""
+    folder = Path(sys.prefix) / "share" / "pie_actors" / "runners"
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    return folder if os.access(existing, os.W_OK) else cache_dir()
 
 
 @dataclass
@@ -259,10 +269,11 @@ def componentize(out: Path, bundle_source: str = EMPTY_BUNDLE) -> None:
 CACHE_KEEP = 8     # compiled components kept on disk (~40 MB each), least recently used go first
 
 
-def prune_cache(keep: int = CACHE_KEEP) -> list[Path]:
-    """Delete all but the `keep` most recently used artifacts (a hit refreshes its mtime); one
-    being built right now (its lock held) is left alone. Returns the deleted paths."""
-    artifacts = sorted(cache_dir().glob("*.cwasm"), key=lambda p: p.stat().st_mtime, reverse=True)
+def prune_cache(keep: int = CACHE_KEEP, folder: Path | None = None) -> list[Path]:
+    """Delete all but the `keep` most recently used artifacts in `folder` (default: the cache
+    directory; a hit refreshes its mtime); one being built right now (its lock held) is left
+    alone. Returns the deleted paths."""
+    artifacts = sorted((folder or cache_dir()).glob("*.cwasm"), key=lambda p: p.stat().st_mtime, reverse=True)
     deleted = []
     for path in artifacts[keep:]:
         with open(path.with_suffix(".lock"), "w") as lock:
@@ -281,10 +292,11 @@ def _hit(path: Path, key: str) -> Artifact:
     return Artifact(path, key, from_cache=True)
 
 
-def _ensure(name: str, key: str, build: Callable[[Path], None], engine=None) -> Artifact:
-    """The compiled component `name` under content key `key`; on a miss `build(out)` writes its
-    .wasm to `out`, and wasmtime compiles it."""
-    path = cache_dir() / f"{name}-{key[:32]}.cwasm"
+def _ensure(name: str, key: str, build: Callable[[Path], None], engine=None,
+            folder: Path | None = None) -> Artifact:
+    """The compiled component `name` under content key `key` in `folder` (default: the cache
+    directory); on a miss `build(out)` writes its .wasm to `out`, and wasmtime compiles it."""
+    path = (folder or cache_dir()) / f"{name}-{key[:32]}.cwasm"
     if path.is_file():
         return _hit(path, key)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -307,14 +319,14 @@ def _ensure(name: str, key: str, build: Callable[[Path], None], engine=None) -> 
         partial = path.with_name(path.name + f".{os.getpid()}.tmp")
         partial.write_bytes(blob)
         os.replace(partial, path)
-    prune_cache()
+    prune_cache(folder=path.parent)
     return Artifact(path, key, from_cache=False, build_s=t1 - t0, compile_s=t2 - t1,
                     wasm_bytes=wasm_bytes)
 
 
 def ensure_runner(engine=None) -> Artifact:
     """The compiled runner component, built and compiled first if the cache lacks it."""
-    return _ensure("runner", _key(EMPTY_BUNDLE), componentize, engine)
+    return _ensure("runner", _key(EMPTY_BUNDLE), componentize, engine, runner_dir())
 
 
 def build_bundle(bundle_dir, engine=None) -> Artifact:
@@ -374,4 +386,4 @@ def componentize_js(out: Path) -> None:
 
 def ensure_js_runner(engine=None) -> Artifact:
     """The compiled JavaScript runner component, built and compiled first if the cache lacks it."""
-    return _ensure("js-runner", _js_key(), componentize_js, engine)
+    return _ensure("js-runner", _js_key(), componentize_js, engine, runner_dir())
