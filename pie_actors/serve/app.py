@@ -1,6 +1,7 @@
 """The ASGI app of `pie serve`: the routes of every API on one Starlette app, behind the API keys
-(auth.py), with /health, /metrics and /openapi.json, and the WebSocket of pie-client at /v1/ws
-(ws.py). With keys set, every route but /health needs one.
+(auth.py), with /health, /metrics and /openapi.json, the WebSocket of pie-client at /v1/ws
+(ws.py), and the playground's page at / (playground/). With keys set, every route but /health and
+the page's own files needs one.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from starlette.routing import WebSocketRoute
 
 from ..gpu.engine.engine_process import EngineDown
 from ..ws_protocol import PATH as WS_PATH
-from . import anthropic_api, gemini_api, openai_api, responses_api, ws
+from . import anthropic_api, gemini_api, openai_api, playground, responses_api, ws
 from .auth import check_key, owner_of, presented_key
 from .errors import ApiError
 from .openapi import document
@@ -65,7 +66,7 @@ SERVICE_ROUTES = [
     Route("GET", "/openapi.json", API, openapi_json, "This document.", engine=False),
 ]
 ROUTES: list[Route] = [*gemini_api.ROUTES, *openai_api.ROUTES, *responses_api.ROUTES, *anthropic_api.ROUTES,
-                       *SERVICE_ROUTES]
+                       *SERVICE_ROUTES, *playground.ROUTES]
 OPENAPI = document(ROUTES, "pie serve", "1")
 
 
@@ -109,5 +110,5 @@ def build_app(serving: Serving, api_keys: Collection[str]) -> Starlette:
         return api_of(path).error_response(ApiError(kind, f"no route {request.method} {path}"))
 
     routes = [StarletteRoute(r.path, _endpoint(r, serving, keys), methods=[r.method]) for r in ROUTES]
-    return Starlette(routes=[*routes, WebSocketRoute(WS_PATH, ws.endpoint(serving, keys))],
+    return Starlette(routes=[*routes, *playground.PAGES, WebSocketRoute(WS_PATH, ws.endpoint(serving, keys))],
                      exception_handlers={404: not_found, 405: not_found})
