@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..config import pie_home
-from ..program import Manifest
+from ..program import Manifest, Program
 from .instance_pool import SLOTS, use_pool
 
 HERE = Path(__file__).resolve().parent
@@ -162,6 +162,18 @@ def bundle_modules(files: dict[str, str]) -> Modules:
     return modules
 
 
+def runner_modules(program: Program) -> Modules | None:
+    """What a runner is handed of `program`'s bundle beside its source (None: no bundle). A
+    JavaScript bundle's modules are its files by path, its entry under "main"."""
+    if program.bundle is None:
+        return None
+    if program.language != "javascript":
+        return bundle_modules(program.bundle)
+    modules: Modules = {path: (path, False, text) for path, text in program.bundle.items() if path != program.entry}
+    modules["main"] = (program.entry, False, program.bundle[program.entry])
+    return modules
+
+
 def bundle_imports(modules: Modules) -> tuple[list[str], list[str]]:
     """The stdlib modules the bundle's files import, and the imports that are neither the bundle's
     own nor in the stdlib (they will fail inside the sandbox)."""
@@ -208,8 +220,6 @@ def fits_runner(files: dict[str, str]) -> bool:
 def _scan_bundle(bundle_dir: Path) -> tuple[Modules, list[str], list[str]]:
     """A bundle folder's modules, the modules to import at build time, and the imports it makes
     that will not exist in the sandbox."""
-    from ..program import Program
-
     program = Program.load(bundle_dir)      # FileNotFoundError: no main.py (nor manifest entry)
     modules = bundle_modules(program.bundle or {"main.py": program.source})
     wanted_stdlib, missing = bundle_imports(modules)
@@ -352,17 +362,22 @@ def build_bundle(bundle_dir, engine=None) -> Artifact:
 # ---------------------------------------------------------------------------------------------
 # the JavaScript runner
 
-JS_DIR = HERE / "js"                     # runner.js, the SDK inferlet.js, the pinned componentize-js
-JS_SOURCES = ("runner.js", "inferlet.js", "package-lock.json")
+JS_DIR = HERE / "js"                     # runner.js, the SDK (inferlet.js, sdk/), the pinned componentize-js
 # WASI left out of the JavaScript runner. Clocks stay: the runner's event loop takes its turns
 # with setTimeout, which needs them; so do random (Math.random) and stdio (console.log goes where
 # a Python inferlet's print goes).
 JS_DISABLED = ("http", "fetch-event")
 
 
+def _js_sources() -> list[Path]:
+    """What the JavaScript runner is built from: the runner, the SDK's modules, the pinned packages."""
+    return [JS_DIR / "runner.js", JS_DIR / "inferlet.js", *sorted((JS_DIR / "sdk").glob("*.js")),
+            JS_DIR / "package-lock.json"]
+
+
 def _js_key() -> str:
     h = hashlib.sha256()
-    for path in sorted(WIT_DIR.rglob("*.wit")) + [JS_DIR / name for name in JS_SOURCES]:
+    for path in sorted(WIT_DIR.rglob("*.wit")) + _js_sources():
         h.update(path.relative_to(HERE).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     h.update(f"wasmtime {metadata.version('wasmtime')}".encode() + b"\0")
     h.update(repr(sorted(ENGINE_SETTINGS.items())).encode() + b"\0")

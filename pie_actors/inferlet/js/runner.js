@@ -1,40 +1,33 @@
 // The JavaScript runner component's entry (componentize-js): implements the world's `run` export.
 //
-// One component serves every JavaScript inferlet: the program's source arrives with each run. It
-// is an ES module (`import {...} from "inferlet"`, `export async function main(input)`), which
-// the engine here cannot load from text, so its import and export statements are rewritten in
-// place, without moving a line, and the body is evaluated as a function of its imports. Stacks
-// and syntax errors then name main.js with the source's own lines and columns.
+// One component serves every JavaScript inferlet: the program's source arrives with each run,
+// and so do a bundle's other modules. Each is an ES module (`import {...} from "inferlet"`,
+// `import {...} from "./util.js"`, `export async function main(input)`), which the engine here
+// cannot load from text, so its import and export statements are rewritten in place, without
+// moving a line, and the body is evaluated as a function of its imports. Stacks and syntax
+// errors then name the module's file with the source's own lines and columns.
 //
 // An error is returned as the JSON object the host reads ({kind, message, traceback}), thrown as
 // a string: a thrown Error object would trap the instance instead of returning `err`.
 
 import * as inferlet from './inferlet.js';
 
-const FILENAME = 'main.js';
-const MODULES = { inferlet, '@pie-project/inferlet': inferlet };
-// the function the source becomes; on the source's first line, so that no line moves
+const MAIN = 'main.js';       // the filename of a program given as source alone
+const SDK = { inferlet, '@pie-project/inferlet': inferlet };
+// the function a module becomes; on the source's first line, so that no line moves
 const HEADER = '(function (__pie_import) { "use strict"; ';
 
 const IMPORT = /^([ \t]*)import\s+(?:\*\s+as\s+([\w$]+)|\{([^}]*)\}|([\w$]+))\s+from\s+(['"])([^'"]+)\5[ \t]*;?/gm;
 const EXPORT = /^([ \t]*)export\s+((?:async\s+)?function\s*\*?\s*|class\s+|const\s+|let\s+|var\s+)([\w$]+)/gm;
-
-function importModule(name) {
-  const module = MODULES[name];
-  if (module === undefined) {
-    throw new Error(`unknown import: module "${name}" (an inferlet imports "inferlet" or "@pie-project/inferlet")`);
-  }
-  return module;
-}
 
 const lineBreaks = (text) => text.split('\n').length - 1;
 
 /** `text` in place of `match`, padded with the line breaks it would lose. */
 const keepLines = (match, text) => text + '\n'.repeat(lineBreaks(match) - lineBreaks(text));
 
-/** The source as a function body: imports become declarations, exports plain declarations whose
- * names the function returns. Every rewrite keeps the lines where they were. */
-function rewrite(source) {
+/** A module's source as a function body: imports become declarations, exports plain
+ * declarations whose names the function returns. Every rewrite keeps the lines where they were. */
+function rewrite(source, filename) {
   const exported = [];
   const body = source
     .replace(IMPORT, (match, indent, star, names, single, quote, module) => {
@@ -47,38 +40,91 @@ function rewrite(source) {
       exported.push(name);
       return `${indent}${kind}${name}`;
     });
-  return `${HEADER}${body}\nreturn { ${exported.join(', ')} };\n})\n//# sourceURL=${FILENAME}`;
+  return `${HEADER}${body}\nreturn { ${exported.join(', ')} };\n})\n//# sourceURL=${filename}`;
 }
 
-/** Where an error points, as FILENAME:line:column of the source (not of the rewritten text). */
-function location(line, column) {
-  return `${FILENAME}:${line}:${line === 1 ? column - HEADER.length : column}`;
+/** Where an error points, as file:line:column of the source (not of the rewritten text). */
+function location(filename, line, column) {
+  return `${filename}:${line}:${line === 1 ? column - HEADER.length : column}`;
 }
 
-function loadMain(source) {
-  let module;
-  try {
-    module = (0, eval)(rewrite(source));
-  } catch (e) {
-    if (e instanceof SyntaxError) {
-      throw new SyntaxError(`${e.message} (${location(e.lineNumber, e.columnNumber)})`);
-    }
-    throw e;
+/** The modules of one run: file path -> source, and what each evaluated to. */
+class Modules {
+  constructor(files) {
+    this.files = files;
+    this.exports = new Map();     // path -> its exports (null while it is being evaluated)
   }
-  const exports = module(importModule);
+
+  /** The exports of module `path`, evaluated on first import. */
+  load(path) {
+    if (this.exports.has(path)) {
+      const done = this.exports.get(path);
+      if (done === null) throw new Error(`import cycle: ${path} imports itself (through other modules)`);
+      return done;
+    }
+    this.exports.set(path, null);
+    let module;
+    try {
+      module = (0, eval)(rewrite(this.files.get(path), path));
+    } catch (e) {
+      if (e instanceof SyntaxError) {
+        throw new SyntaxError(`${e.message} (${location(path, e.lineNumber, e.columnNumber)})`);
+      }
+      throw e;
+    }
+    const exports = module((name) => this.resolve(name, path));
+    this.exports.set(path, exports);
+    return exports;
+  }
+
+  /** What `import ... from name` in module `importer` gets. */
+  resolve(name, importer) {
+    if (name in SDK) return SDK[name];
+    if (name.startsWith('./') || name.startsWith('../')) {
+      const path = joinPath(importer, name);
+      for (const candidate of [path, `${path}.js`, `${path}/index.js`]) {
+        if (this.files.has(candidate)) return this.load(candidate);
+      }
+      throw new Error(`unknown import: module "${name}" in ${importer} (no ${path} in the bundle)`);
+    }
+    throw new Error(`unknown import: module "${name}" in ${importer} (an inferlet imports "inferlet", ` +
+                    '"@pie-project/inferlet" or its own bundle\'s modules, as "./name.js")');
+  }
+}
+
+/** The bundle path `name` (relative) names from module `importer`. */
+function joinPath(importer, name) {
+  const parts = importer.split('/').slice(0, -1);
+  for (const part of name.split('/')) {
+    if (part === '..') parts.pop();
+    else if (part !== '.' && part !== '') parts.push(part);
+  }
+  return parts.join('/');
+}
+
+/** The program's main function: `source` as main.js, or the bundle's "main" module (with the
+ * bundle's other modules beside it: {name: [path, isPackage, source]}). */
+function loadMain(source, bundle) {
+  const files = new Map(Object.values(bundle).map(([path, , text]) => [path, text]));
+  let main = MAIN;
+  if (source) files.set(MAIN, source);
+  else if (bundle.main) [main] = bundle.main;
+  else throw new Error('no inferlet source given, and the bundle names no main module');
+  const exports = new Modules(files).load(main);
   if (typeof exports.main !== 'function') {
-    throw new TypeError('the inferlet exports no `main` function (export async function main(input))');
+    throw new TypeError(`${main} exports no \`main\` function (export async function main(input))`);
   }
   return exports.main;
 }
 
-/** The frames of a stack that are the program's ("fn@main.js:line:column"), their columns on
- * line 1 put right. */
+const FRAME_FILE = /([\w$.\/@-]+\.js):(\d+):(\d+)/;
+
+/** The frames of a stack that are the program's ("fn@file.js:line:column"), their columns on
+ * line 1 put right; the SDK's own frames (in the runner component) are left out. */
 function userFrames(stack) {
   return String(stack ?? '').split('\n')
-    .filter((frame) => frame.includes(`${FILENAME}:`))
-    .map((frame) => frame.replace(new RegExp(`${FILENAME}:(\\d+):(\\d+)`),
-                                  (_, line, col) => location(Number(line), Number(col))));
+    .filter((frame) => FRAME_FILE.test(frame) && !/inferlet\.js|sdk\/|runner\.js/.test(frame))
+    .map((frame) => frame.replace(FRAME_FILE, (_, file, line, col) => location(file, Number(line), Number(col))));
 }
 
 function errorJson(kind, error) {
@@ -113,8 +159,7 @@ async function drive(promise) {
 
 export async function run(source, code, inputJson, bundleJson) {
   try {
-    if (!source) throw new Error('no inferlet source given (a JavaScript bundle is not supported yet)');
-    const main = loadMain(source);
+    const main = loadMain(source, bundleJson ? JSON.parse(bundleJson) : {});
     const result = await drive(Promise.resolve().then(() => main(JSON.parse(inputJson))));
     const text = JSON.stringify(result === undefined ? null : result);
     if (text === undefined) throw new TypeError('main returned a value that is not JSON');
