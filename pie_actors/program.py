@@ -5,6 +5,10 @@ bundle folder (main.py and its own modules), or the source text itself (Python's
 JavaScript inferlet: its `language` says which runner runs it. A bundle travels as its files'
 text, so it can be built into its own sandbox component wherever it runs (an actor on another node).
 
+A JavaScript bundle is a folder of .js modules that import each other (`from "./util.js"`); the
+one that runs, its `entry`, is package.json's "main", else main.js, else index.js. A .js file in
+a folder with a package.json runs with the folder's other modules beside it.
+
 A bundle may say what it is in a manifest, `pie.toml` beside its files:
 
     [bundle]
@@ -18,6 +22,7 @@ in the folder (as `ray job submit --working-dir DIR -- pie run main.py` does) ru
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,11 +80,12 @@ class Program:
     source: str = ""                         # the main module's text ("" for a bundle: its main.py runs)
     bundle: dict[str, str] | None = None     # a bundle: relative path -> text of each .py file
     language: str = "python"                 # "python" or "javascript" (a .js file)
+    entry: str | None = None                 # a JavaScript bundle's module that runs: its path in bundle
 
     @classmethod
     def load(cls, program: str | Path | Program) -> Program:
-        """A .py or .js file, a folder with main.py (a bundle when it holds other .py files too), or
-        Python source text (a string with a newline, or one that names no file). FileNotFoundError for a path
+        """A .py or .js file, a folder with main.py (a bundle when it holds other .py files too) or a
+        JavaScript entry (package.json's "main", main.js, index.js), or Python source text (a string with a newline, or one that names no file). FileNotFoundError for a path
         that leads nowhere."""
         if isinstance(program, Program):
             return program
@@ -87,7 +93,13 @@ class Program:
             return cls(source=program)
         path = Path(program)
         if path.is_file() and path.suffix == ".js":
+            if (path.parent / PACKAGE_JSON).is_file():
+                return _javascript(path.parent, path)
             return cls(source=path.read_text(encoding="utf-8"), language="javascript")
+        if path.is_dir() and not (path / "main.py").is_file() and Manifest.read(path) is None:
+            entry = _javascript_entry(path)
+            if entry is not None:
+                return _javascript(path, entry)
         if path.is_file() and path.suffix == ".py" and (folder := Manifest.of_file(path)) is not None:
             path = folder
         if path.is_dir():
@@ -97,13 +109,45 @@ class Program:
                 return cls(bundle=_bundle_files(path, main))
             path = main
         if not path.is_file():
-            raise FileNotFoundError(f"no inferlet at {program} (a .py or .js file, or a folder with main.py)")
+            raise FileNotFoundError(f"no inferlet at {program} (a .py or .js file, or a folder with main.py, "
+                                    "package.json, main.js or index.js)")
         return cls(source=path.read_text(encoding="utf-8"))
 
     def bundle_key(self) -> str:
         """A content hash of the bundle's files (where its component is cached)."""
         assert self.bundle is not None
         return hashlib.blake2b(repr(sorted(self.bundle.items())).encode(), digest_size=16).hexdigest()
+
+
+PACKAGE_JSON = "package.json"
+
+
+def _javascript_entry(folder: Path) -> Path | None:
+    """A JavaScript bundle folder's entry: package.json's "main", else main.js, else index.js
+    (None: none of them, so the folder is no JavaScript bundle)."""
+    package = folder / PACKAGE_JSON
+    if package.is_file():
+        try:
+            main = json.loads(package.read_text(encoding="utf-8")).get("main")
+        except (ValueError, AttributeError) as e:
+            raise ValueError(f"{package}: not a JSON object ({e})") from None
+        if main is not None:
+            entry = folder / str(main)
+            if entry.suffix != ".js" or not entry.is_file():
+                raise FileNotFoundError(f'{package}: "main" is {main!r}, not a .js file of the folder')
+            return entry
+    return next((folder / name for name in ("main.js", "index.js") if (folder / name).is_file()), None)
+
+
+def _javascript(folder: Path, entry: Path) -> Program:
+    """The JavaScript program of `entry` in `folder`: its source alone, or with its folder's other
+    modules (node_modules and hidden folders left out) when it has any."""
+    files = {p.relative_to(folder).as_posix(): p.read_text(encoding="utf-8") for p in sorted(folder.rglob("*.js"))
+             if not any(part.startswith(".") or part == "node_modules" for part in p.relative_to(folder).parts)}
+    name = entry.relative_to(folder).as_posix()
+    if len(files) == 1:
+        return Program(source=files[name], language="javascript")
+    return Program(bundle=files, language="javascript", entry=name)
 
 
 def _bundle_files(folder: Path, entry: Path) -> dict[str, str]:

@@ -16,7 +16,7 @@ from ..gpu.engine.wire import EngineAddress
 from ..launch import Launch
 from ..process import Done, Event, Failed
 from ..program import Program
-from .build import bundle_modules, cache_dir, ensure_js_runner, fits_runner
+from .build import cache_dir, ensure_js_runner, fits_runner, runner_modules
 from .host import HostOpError, InferletError, Sandbox
 from .ops import InferletHost
 from .peers import Peers
@@ -126,8 +126,7 @@ class Run:
             if self._cancelled is not None:
                 host.cancel(self._cancelled)
         try:
-            bundle = launch.program.bundle
-            modules = bundle_modules(bundle) if bundle is not None and sandbox.is_runner else None
+            modules = runner_modules(launch.program) if sandbox.is_runner else None
             return sandbox.run(launch.program.source, launch.input, host, limits=launch.limits, bundle=modules)
         finally:
             self._restartable = host.state.restartable and host.state.lost_engine

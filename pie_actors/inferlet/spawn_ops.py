@@ -99,9 +99,11 @@ class SpawnOps:
         return {"id": cid, "name": process.name}
 
     def _program(self, spec: ChildProgram) -> Program:
-        """The child's program: `source` text, or `module` of this run's bundle."""
+        """The child's program: `source` text, or `module` of this run's bundle, in the parent's
+        language (a Python module by dotted name, a JavaScript one by its path, .js optional)."""
+        language = self.program.language if self.program is not None else "python"
         if "source" in spec:
-            return Program(source=spec["source"])
+            return Program(source=spec["source"], language=language)
         module = spec.get("module")
         if module is None:
             raise HostOpError("runtime.spawn: the program is a module name or source text")
@@ -109,12 +111,19 @@ class SpawnOps:
         if bundle is None:
             raise HostOpError(f"runtime.spawn: no module {module!r}: this inferlet is a single file, not a "
                               "bundle (pass the child's source text, or launch a bundle folder)")
-        path = module.replace(".", "/")
-        for rel in (f"{path}.py", f"{path}/__init__.py"):
-            if rel in bundle:
-                return Program(source=bundle[rel], bundle=bundle)   # the bundle's component runs it as main
-        raise HostOpError(f"runtime.spawn: the bundle has no module {module!r} (modules: "
-                          f"{', '.join(sorted(r[:-3].replace('/', '.') for r in bundle))})")
+        if language == "javascript":
+            path = module.removeprefix("./")
+            for rel in (path, f"{path}.js"):
+                if rel.endswith(".js") and rel in bundle:
+                    return Program(bundle=bundle, language=language, entry=rel)
+            names = sorted(bundle)
+        else:
+            path = module.replace(".", "/")
+            for rel in (f"{path}.py", f"{path}/__init__.py"):
+                if rel in bundle:
+                    return Program(source=bundle[rel], bundle=bundle)   # the bundle's component runs it as main
+            names = sorted(r[:-3].replace('/', '.') for r in bundle)
+        raise HostOpError(f"runtime.spawn: the bundle has no module {module!r} (modules: {', '.join(names)})")
 
     def _child(self, handle: int) -> _Child:
         child = self.children.get(handle)
