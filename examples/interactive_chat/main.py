@@ -16,7 +16,7 @@ Output: {"turns": [{"user", "reply", "folded_before", "fed", "folded_after", "ca
 (cached_tokens: how many of the working set's tokens were found in the engine's prefix cache).
 """
 from inferlet import chat, model, session
-from inferlet.eta import ForwardPass, Pipeline, StateGeometry, WorkingSet, intrinsics, reduce_argmax
+from inferlet.eta import Pipeline, WorkingSet, generate
 
 
 async def main(input: dict) -> dict:
@@ -36,20 +36,10 @@ async def main(input: dict) -> dict:
         if not text or text == "/bye":
             break
         feed = pending + chat.user(text) + chat.cue_without_thinking()
-        folded_before, fed, reply = ws.folded(), len(feed), []
-        for _ in range(max_tokens):
-            fwd = ForwardPass()
-            fwd.embed(feed)
-            fwd.state([ws], StateGeometry.folding())
-            chosen = fwd.epilogue(lambda: reduce_argmax(intrinsics.output(0, "logits")))
-            pipe.submit(fwd)
-            token = await chosen
-            if token in stops:
-                feed = []                      # the reply ended: everything but its stop is in ws
-                break
-            reply.append(token)
-            feed = [token]
-        pending = feed + chat.seal()           # a reply cut at max_tokens still has its last token
+        folded_before, fed = ws.folded(), len(feed)
+        reply = [token async for token in generate(ws, pipe, feed, max_tokens, stops)]
+        # a reply that ended at its stop is all in ws; one cut at max_tokens lacks its last token
+        pending = (reply[-1:] if len(reply) == max_tokens else []) + chat.seal()
         turn = {"user": text, "reply": model.decode(reply), "folded_before": folded_before, "fed": fed,
                 "folded_after": ws.folded(), "cached_tokens": ws.cached_tokens()}
         session.send({"turn": len(turns) + 1, **turn})

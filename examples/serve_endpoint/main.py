@@ -13,7 +13,7 @@ events, Gemini responses).
 input: {"messages", "max_tokens", ...}  ->  {"choices": [{"index", "text", "finish_reason"}], "usage"}
 """
 from inferlet import chat, model, session
-from inferlet.eta import ForwardPass, Pipeline, StateGeometry, WorkingSet, intrinsics, reduce_argmax
+from inferlet.eta import Pipeline, WorkingSet, generate
 
 SYSTEM = "You are the captain of a sailing ship. Answer in one sentence."
 STOP = set(chat.stop_tokens())
@@ -28,25 +28,15 @@ async def main(input: dict) -> dict:
     if streaming:
         session.send({"type": "start", "prompt_tokens": len(prompt), "cached_tokens": 0})
 
-    reply, sent, feed, reason = [], "", prompt, "length"
-    for _ in range(max_tokens):
-        fwd = ForwardPass()
-        fwd.embed(feed)
-        fwd.state([ws], StateGeometry.folding())
-        chosen = fwd.epilogue(lambda: reduce_argmax(intrinsics.output(0, "logits")))
-        pipe.submit(fwd)
-        token = await chosen
-        if token in STOP:
-            reason = "stop"
-            break
+    reply, sent = [], ""
+    async for token in generate(ws, pipe, prompt, max_tokens, STOP):
         reply.append(token)
-        feed = [token]
         text = model.decode(reply)
         if streaming and not text.endswith("\ufffd"):          # a whole character at least
             session.send({"type": "text", "choice": 0, "text": text[len(sent):]})
             sent = text
     pipe.close()
-    text = model.decode(reply)
+    text, reason = model.decode(reply), "length" if len(reply) >= max_tokens else "stop"
     if streaming:
         session.send({"type": "text", "choice": 0, "text": text[len(sent):]})
         session.send({"type": "finish", "choice": 0, "reason": reason})

@@ -1,7 +1,7 @@
 """A conversation that keeps its working set: each `say` feeds only the new turn and decodes the
 reply greedily (what the judge and the agents share)."""
 from inferlet import chat, model
-from inferlet.eta import ForwardPass, Pipeline, StateGeometry, WorkingSet, intrinsics, reduce_argmax
+from inferlet.eta import Pipeline, WorkingSet, generate
 
 
 class Speaker:
@@ -12,19 +12,9 @@ class Speaker:
 
     async def say(self, text: str, max_tokens: int) -> str:
         stops = set(chat.stop_tokens())
-        feed, reply = self.pending + chat.user(text) + chat.cue_without_thinking(), []
+        feed = self.pending + chat.user(text) + chat.cue_without_thinking()
         self.fed.append(len(feed))
-        for _ in range(max_tokens):
-            fwd = ForwardPass()
-            fwd.embed(feed)
-            fwd.state([self.ws], StateGeometry.folding())
-            chosen = fwd.epilogue(lambda: reduce_argmax(intrinsics.output(0, "logits")))
-            self.pipe.submit(fwd)
-            token = await chosen
-            if token in stops:
-                feed = []
-                break
-            reply.append(token)
-            feed = [token]
-        self.pending = feed + chat.seal()
+        reply = [token async for token in generate(self.ws, self.pipe, feed, max_tokens, stops)]
+        # a reply that ended at its stop is all in ws; one cut at max_tokens lacks its last token
+        self.pending = (reply[-1:] if len(reply) == max_tokens else []) + chat.seal()
         return model.decode(reply).strip()

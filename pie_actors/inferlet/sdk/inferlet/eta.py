@@ -28,7 +28,7 @@ from . import _host
 from .mask import Mask
 
 __all__ = ["ForwardPass", "Pipeline", "StateGeometry", "WorkingSet", "Tensor", "Channel", "dtype",
-           "intrinsics", "trace"]
+           "intrinsics", "trace", "generate"]
 
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, sort_keys=True).encode
 
@@ -668,3 +668,30 @@ class Pipeline:
         its working sets again. A program waiting in `session.receive()` parks by itself after
         `[limits] park_after_s`."""
         _host.call("eta.park")
+
+
+# ---------------------------------------------------------------------------------------------
+# the plain decoding loop
+
+def _greedy() -> Tensor:
+    return reduce_argmax(intrinsics.output(0, "logits"))
+
+
+async def generate(ws: WorkingSet, pipe: Pipeline, tokens: list[int], max_tokens: int,
+                   stop=(), sample=_greedy):
+    """Feed `tokens` into `ws`, then decode one token a pass until a token in `stop` or
+    `max_tokens` passes; yields each new token, the stop token not included. `sample` is the
+    epilogue (greedy by default). Every yielded token but the last is in `ws` when the loop ends;
+    the last is too when a stop token ended it (which `len(yielded) < max_tokens` tells)."""
+    stop = set(stop)
+    for _ in range(max_tokens):
+        fwd = ForwardPass()
+        fwd.embed(tokens)
+        fwd.state([ws], StateGeometry.folding())
+        chosen = fwd.epilogue(sample)
+        pipe.submit(fwd)
+        token = await chosen
+        if token in stop:
+            return
+        yield token
+        tokens = [token]
