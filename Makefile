@@ -25,6 +25,10 @@ $(STAMP): pyproject.toml Makefile
 	# by pie_actors/inferlet/js/package-lock.json
 	cd pie_actors/inferlet/js && npm ci --no-audit --no-fund --loglevel=error
 	$(PY) -c "from pie_actors.inferlet.build import ensure_js_runner, ensure_runner; ensure_runner(); ensure_js_runner()"
+	# the playground's tests drive Debian's chromium through Playwright (never `playwright install`,
+	# which downloads a browser of its own); without root or the archive they skip, saying why
+	test -x /usr/bin/chromium || apt-get install -y -q chromium || (apt-get update -q && apt-get install -y -q chromium) \
+		|| echo "chromium could not be installed: tests/test_playground.py will skip"
 	touch $(STAMP)
 
 demo: setup

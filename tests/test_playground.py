@@ -458,3 +458,18 @@ def test_a_dropped_websocket_shows_disconnected_and_reattaches(browser, server):
         tab.close()
         proxy.close()
     assert idle(server)["kv"]["referenced"] == 0
+
+
+def test_the_examples_inputs_are_read_from_their_mains():
+    from pie_actors.serve.playground.examples import examples, javascript_inputs, python_inputs
+
+    found = {e["name"]: e for e in examples()}
+    assert found["quickstart"]["inputs"] == found["js/quickstart"]["inputs"] == [{"name": "question", "required": True}]
+    assert found["quickstart"]["files"] == {"main.py": (ROOT / "examples" / "quickstart" / "main.py").read_text()}
+    assert set(found["agents/debate"]["files"]) == {"agent.py", "main.py", "speak.py"}
+    python = 'n = input.get("n", 4)\ns = input.get("s", "it\'s")\nx = input.get("x", DEFAULT)\nq = input["q"]\n'
+    javascript = "const n = input.n ?? 4, s = input.s ?? 'it\\'s', x = input.x ?? DEFAULT, q = input['q'];"
+    expected = [{"name": "n", "required": False, "default": 4}, {"name": "s", "required": False, "default": "it's"},
+                {"name": "x", "required": False}, {"name": "q", "required": True}]
+    assert python_inputs(python) == javascript_inputs(javascript) == expected
+    assert python_inputs("def main(:\n") == []                 # a file that does not parse offers no inputs

@@ -1,10 +1,11 @@
 """The repository's example programs, as the playground offers them to start from: each folder of
-`examples/` with a main.py (its .py files, a bundle) or a main.js, and the named inputs its main
+`examples/` with a main.py (its .py files, a bundle) or a main.js (its .js modules), and the named inputs its main
 reads (`input["k"]`: required; `input.get("k", default)`: optional, with its default when that is
-a literal; JavaScript's `input.k`)."""
+a literal; JavaScript's `input.k`, and `input.k ?? default`)."""
 from __future__ import annotations
 
 import ast
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,8 @@ __all__ = ["EXAMPLES_DIR", "examples"]
 
 # examples/ sits beside the package in a checkout (an installed wheel has none: the list is empty)
 EXAMPLES_DIR = Path(__file__).resolve().parents[3] / "examples"
-_JS_INPUT = re.compile(r"\binput(?:\.([A-Za-z_$][\w$]*)|\[\s*[\"']([^\"']+)[\"']\s*\])")
+_JS_INPUT = re.compile(r"\binput(?:\.([A-Za-z_$][\w$]*)|\[\s*[\"']([^\"']+)[\"']\s*\])"
+                       r"(\s*\?\?\s*(-?\d+(?:\.\d+)?|'(?:[^'\\\n]|\\.)*'|\"(?:[^\"\\\n]|\\.)*\"|true|false|\[\]|\{\})?)?")
 
 
 def python_inputs(source: str) -> list[dict[str, Any]]:
@@ -42,22 +44,37 @@ def python_inputs(source: str) -> list[dict[str, Any]]:
 
 
 def javascript_inputs(source: str) -> list[dict[str, Any]]:
-    """The inputs a JavaScript main reads (`input.k`, `input["k"]`), in order of first use."""
-    names = dict.fromkeys(m.group(1) or m.group(2) for m in _JS_INPUT.finditer(source))
-    return [{"name": name, "required": True} for name in names]
+    """The inputs a JavaScript main reads (`input.k`, `input["k"]`), in order of first use: optional
+    where it falls back (`input.k ?? default`), with the default when that is a literal."""
+    found: dict[str, dict[str, Any]] = {}
+    for m in _JS_INPUT.finditer(source):
+        name, fallback, literal = m.group(1) or m.group(2), m.group(3), m.group(4)
+        entry = found.setdefault(name, {"name": name, "required": True})
+        if fallback and entry["required"]:
+            entry["required"] = False
+            if literal is not None:
+                # a quoted JavaScript string as JSON: single quotes become double ones
+                text = '"' + literal[1:-1].replace('\\\'', "'").replace('"', '\\"') + '"' \
+                    if literal.startswith("'") else literal
+                entry["default"] = json.loads(text)
+    return list(found.values())
+
+
+def _files(folder: Path, suffix: str) -> dict[str, str]:
+    return {p.relative_to(folder).as_posix(): p.read_text() for p in sorted(folder.rglob(f"*{suffix}"))
+            if "__pycache__" not in p.parts and "node_modules" not in p.parts}
 
 
 def _example(folder: Path, root: Path) -> dict[str, Any] | None:
     name = folder.relative_to(root).as_posix()
     if (folder / "main.py").is_file():
-        files = {p.relative_to(folder).as_posix(): p.read_text() for p in sorted(folder.rglob("*.py"))
-                 if "__pycache__" not in p.parts}
+        files = _files(folder, ".py")
         return {"name": name, "language": "python", "main": "main.py", "files": files,
                 "inputs": python_inputs(files["main.py"])}
     if (folder / "main.js").is_file():
-        source = (folder / "main.js").read_text()
-        return {"name": name, "language": "javascript", "main": "main.js", "files": {"main.js": source},
-                "inputs": javascript_inputs(source)}
+        files = _files(folder, ".js")
+        return {"name": name, "language": "javascript", "main": "main.js", "files": files,
+                "inputs": javascript_inputs(files["main.js"])}
     return None
 
 

@@ -198,8 +198,8 @@ function collectInputs() {
 function programPayload() {
   keepEditorText();
   const { files, main } = state.program;
-  if (languageOf(main) === "javascript") return { source: files[main], language: "javascript" };
-  return Object.keys(files).length > 1 ? { bundle: { ...files } } : { source: files[main] };
+  if (Object.keys(files).length > 1) return { bundle: { ...files } };      // the server says what it takes
+  return languageOf(main) === "javascript" ? { source: files[main], language: "javascript" } : { source: files[main] };
 }
 
 $("example").addEventListener("change", () => {
