@@ -37,8 +37,7 @@ if shutil.which(CHROMIUM) is None:
 
 # greedy decoding of a fixed number of tokens (no stop), each sent as it comes: long enough for eight
 # of them to share steps
-DECODE = """
-from inferlet import chat, model, session
+DECODE = """from inferlet import chat, model, session
 from inferlet.eta import ForwardPass, Pipeline, StateGeometry, WorkingSet, intrinsics, reduce_argmax
 
 async def main(input):
@@ -59,8 +58,7 @@ async def main(input):
 
 LOOP = DECODE.replace('range(input["tokens"])', "iter(int, 1)")     # forever, until killed
 
-ECHO = """
-from inferlet import session
+ECHO = """from inferlet import session
 
 async def main(input):
     turns = 0
@@ -77,8 +75,7 @@ async def main(input):
     return x
 """
 
-MARKUP = """
-from inferlet import session
+MARKUP = """from inferlet import session
 
 async def main(input):
     session.send("<script>window.pwned = 1</script>")
@@ -371,6 +368,32 @@ def test_the_editor_follows_the_files_language(tab):
     page.get_by_role("tab", name="agent.py").click()
     assert page.get_by_role("textbox", name="Program").input_value() == \
         (ROOT / "examples" / "agents" / "debate" / "agent.py").read_text()
+
+
+def test_a_detached_process_is_attached_from_another_tab_of_the_key(browser, server):
+    first, second = Tab(browser, server.url), Tab(browser, server.url)
+    try:
+        first.write(ECHO)
+        first.page.get_by_label("Process name").fill("echo")
+        first.page.get_by_role("button", name="Run").click()
+        pid = first.wait_process("echo")
+        first.page.get_by_label("Message").fill("one")
+        first.page.get_by_role("button", name="Send").click()
+        first.wait_output("echo one")
+        first.close()                                  # its connection closes: the process runs on, detached
+        second.wait_process("echo")
+        second.page.get_by_role("button", name="Attach echo").click()
+        second.page.get_by_label("Message").fill("two")
+        second.page.get_by_role("button", name="Send").click()
+        second.wait_output("echo two")
+        second.page.get_by_label("Message").fill("stop")
+        second.page.get_by_role("button", name="Send").click()
+        second.wait_output('"turns": 2')
+        assert "echo one" not in second.output()       # it reached the first tab, and is not sent twice
+        assert pid not in [p["process"] for p in second.next_stats()["processes"]]   # ended, forgotten
+    finally:
+        second.close()
+    assert idle(server)["kv"]["referenced"] == 0
 
 
 class Proxy:
