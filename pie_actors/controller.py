@@ -33,7 +33,7 @@ from .gpu.engine.wire import EngineAddress
 from .inferlet.peers import Endings
 from .launch import Launch, ProcessKey
 from .placement import FirstPassChoice
-from .replicas import Replicas, ask_named
+from .replicas import Replicas, ReplicaStatus, ask_named
 
 NAME, NAMESPACE = "pie_controller", "pie"
 INFERLET_PREFIX = "pie_inferlet:"        # inferlet actor names: pie_inferlet:<uuid>
@@ -78,6 +78,34 @@ class _Process:
     model: str | None                           # None: not known yet (found after a restart)
     started: float = field(default_factory=time.time)
     restartable: bool = False                   # it called runtime.declare_restartable
+
+
+@dataclass(frozen=True)
+class ProcessStatus:
+    owner: str
+    name: str
+    model: str | None
+    running_s: float
+
+
+@dataclass(frozen=True)
+class HostStatus:
+    node: str                                   # its Ray node's id
+    processes: int
+
+
+@dataclass(frozen=True)
+class ClusterStatus:
+    """What `Controller.status` tells: engines by model (address; no secret), their replicas,
+    processes, inferlet host actors, the free room in them (processes that fit without a new
+    actor) and the launches so far."""
+
+    engines: dict[str, tuple[str, int]]
+    replicas: dict[str, list[ReplicaStatus]]
+    processes: list[ProcessStatus]
+    hosts: list[HostStatus]
+    free_room: int
+    launches: int
 
 
 class Controller:
@@ -284,16 +312,14 @@ class Controller:
                              f"{', '.join(sorted(self.engines)) or 'none'})")
         return running.config
 
-    def status(self) -> dict[str, Any]:
-        """Engines (no secret), processes, host actors ({"node", "processes"}), the free room in
-        them (processes that fit without a new actor) and the launches so far."""
+    def status(self) -> ClusterStatus:
         now = time.time()
-        return {"engines": {m: [r.first.address.host, r.first.address.port] for m, r in self.engines.items()},
-                "replicas": {m: r.status() for m, r in self.engines.items()},
-                "processes": [{"owner": o, "name": n, "model": p.model, "running_s": round(now - p.started, 3)}
-                              for (o, n), p in self.processes.items()],
-                "hosts": [{"node": h.node, "processes": len(h.processes)} for h in self.hosts.values()],
-                "free_room": self._free_room(), "launches": self.launches}
+        return ClusterStatus(
+            engines={m: (r.first.address.host, r.first.address.port) for m, r in self.engines.items()},
+            replicas={m: r.status() for m, r in self.engines.items()},
+            processes=[ProcessStatus(o, n, p.model, round(now - p.started, 3)) for (o, n), p in self.processes.items()],
+            hosts=[HostStatus(h.node, len(h.processes)) for h in self.hosts.values()],
+            free_room=self._free_room(), launches=self.launches)
 
 
 class ClusterFull(RuntimeError):

@@ -35,6 +35,13 @@ class Replica:
     chosen: Counter[str] = field(default_factory=Counter)   # processes it was chosen for, by reason
 
 
+@dataclass(frozen=True)
+class ReplicaStatus:
+    address: tuple[str, int]
+    node: str
+    chosen: dict[str, int]                      # processes it was chosen for, by reason
+
+
 class Replicas:
     """One model's engines, replica 0 first."""
 
@@ -145,9 +152,8 @@ class Replicas:
                 break
         raise EngineGone(f"an engine of {self.config.model!r} did not come back within {ENGINE_WAIT_S:.0f} s")
 
-    def status(self) -> list[dict[str, Any]]:
-        return [{"address": [r.address[0], r.address[1]], "node": r.node, "chosen": dict(r.chosen)}
-                for r in self.replicas]
+    def status(self) -> list[ReplicaStatus]:
+        return [ReplicaStatus((r.address[0], r.address[1]), r.node, dict(r.chosen)) for r in self.replicas]
 
 
 def ask_named(prefix: str, method: str) -> Iterator[tuple[str, Any, Any]]:

@@ -450,8 +450,8 @@ class _Cluster:
         stats = ray.get(self.engine_actor.stats.remote())
         status = controller.ask(self.controller, "status")
         model = self.config.engine.model
-        return {**stats, "processes": sum(p["model"] == model for p in status["processes"]),
-                "replicas": status["replicas"].get(model, [])}
+        return {**stats, "processes": sum(p.model == model for p in status.processes),
+                "replicas": [dataclasses.asdict(r) for r in status.replicas.get(model, [])]}
 
     def running(self, owner: str | None) -> int:
         from . import controller

@@ -169,7 +169,7 @@ def test_pie_run_joins_a_kept_cluster_and_its_engine_stays(default_model_dir, tm
     built = subprocess.run([str(bin_dir / "pie"), "build", str(bundle)], capture_output=True, text=True, timeout=300)
     assert built.returncode == 0 and "greeting" in built.stdout, built.stderr
     status = ("import json, ray; from pie_actors.controller import NAME, NAMESPACE; ray.init(address='auto'); "
-              "print(json.dumps(ray.get(ray.get_actor(NAME, namespace=NAMESPACE).status.remote())))")
+              "s = ray.get(ray.get_actor(NAME, namespace=NAMESPACE).status.remote()); print(json.dumps({'engines': list(s.engines), 'launches': s.launches}))")
     with ray_head(env) as (env, _):
         runs = ([str(prog)], {"model": "smollm2-135m-instruct"}), \
                ([str(bundle), "--", "--name", "pie"], {"msg": "hello pie", "model": "smollm2-135m-instruct"})

@@ -103,5 +103,5 @@ def test_a_killed_host_actor_fails_exactly_its_processes(cluster, wants):
     assert [p.result(300) for _, p in going] == [wants[i] for i, _ in going]
     until(lambda: _referenced(runtime) == 0)                   # the dead actor's connections' pages too
     status = ray.get(ray.get_actor(NAME).status.remote())
-    assert not {p.name for p in processes} & {p["name"] for p in status["processes"]}
+    assert not {p.name for p in processes} & {p.name for p in status.processes}
     assert victim not in _hosts()                              # placed on no more

@@ -239,7 +239,7 @@ def test_engine_settings_that_differ_are_refused_with_the_difference(cluster, de
     with Runtime.connect(model=str(default_model_dir), dtype="float32", num_pages=256, compile="off") as again:
         assert again.launch(COMPLETION, {"prompt": PROMPTS[0]}).result(60)["text"]
     status = ray.get(connect().status.remote())
-    assert len(status["engines"]) == 1
+    assert len(status.engines) == 1
 
 
 def test_launches_go_into_the_free_room_of_started_host_actors(cluster):
@@ -248,7 +248,7 @@ def test_launches_go_into_the_free_room_of_started_host_actors(cluster):
     controller = connect()
     cluster.launch(COMPLETION, {"prompt": PROMPTS[0]}).result(60)
     hosts = {n for n in ray.util.list_named_actors() if n.startswith(INFERLET_PREFIX)}
-    assert hosts and ray.get(controller.status.remote())["free_room"] > 0
+    assert hosts and ray.get(controller.status.remote()).free_room > 0
     cluster.launch(COMPLETION, {"prompt": PROMPTS[1]}).result(60)
     for p in [cluster.launch(COMPLETION, {"prompt": p}) for p in PROMPTS[:3]]:
         p.result(60)
@@ -259,7 +259,7 @@ def test_a_late_kill_does_not_reach_the_actors_next_run(cluster):
     """A kill names its process: a run after it in the same actor is not cancelled by it."""
     first = cluster.launch(COMPLETION, {"prompt": PROMPTS[1]})
     first.result(60)
-    _wait_for(lambda: not ray.get(connect().status.remote())["processes"])
+    _wait_for(lambda: not ray.get(connect().status.remote()).processes)
     second = cluster.launch(WAITER, {})
     assert next(second.events(timeout=60)) == Send("ready")
     first.kill()                                       # the same actor may run `second` now

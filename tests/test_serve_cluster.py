@@ -54,20 +54,20 @@ def idle(server, timeout: float = 60.0) -> dict:
     return stats
 
 
-def controller_status() -> dict:
+def controller_status():
     return ray.get(ray.get_actor(NAME, namespace=NAMESPACE).status.remote(), timeout=60)
 
 
 def test_paris_through_the_cluster_streamed_and_not(server, reference):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
-    launches = controller_status()["launches"]
+    launches = controller_status().launches
     whole = client.chat.completions.create(model="default", messages=ASK, temperature=0, max_tokens=MAX_TOKENS)
     chunks = client.chat.completions.create(model="default", messages=ASK, temperature=0, max_tokens=MAX_TOKENS,
                                             stream=True)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert whole.choices[0].message.content == streamed == reference(ASK)
     assert "Paris" in streamed
-    assert controller_status()["launches"] == launches + 2     # each request an inferlet actor of the pool
+    assert controller_status().launches == launches + 2     # each request an inferlet actor of the pool
 
 
 def test_concurrent_streams_share_batches_and_a_leaver_ends_its_inferlet(server, reference):
@@ -99,4 +99,4 @@ def test_concurrent_streams_share_batches_and_a_leaver_ends_its_inferlet(server,
     left = idle(server)
     assert left["kv"]["referenced"] == before["kv"]["referenced"]
     assert sum(left["batch_sizes"].values()) - sum(after["batch_sizes"].values()) < 1000
-    assert controller_status()["processes"] == []
+    assert controller_status().processes == []
