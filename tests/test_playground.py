@@ -153,9 +153,8 @@ class Tab:
 
     def process_rows(self) -> dict[str, list[str]]:
         """The live view's processes: id -> [name, state, attached]."""
-        rows = self.page.locator("#processes tbody tr")
-        return {rows.nth(i).get_attribute("data-process"): rows.nth(i).locator("td").all_text_contents()[:3]
-                for i in range(rows.count())}
+        return self.page.evaluate("""() => Object.fromEntries([...document.querySelectorAll('#processes tbody tr')]
+            .map(r => [r.dataset.process, [...r.cells].slice(0, 3).map(c => c.textContent)]))""")
 
     def wait_process(self, name: str, state: str = "running") -> str:
         """The id of this key's process `name` once the live view lists it in `state`."""
@@ -282,8 +281,8 @@ def test_eight_programs_at_once_show_a_step_of_more_than_one_lane(tab, server):
         SCREENSHOT.parent.mkdir(exist_ok=True)
         tab.page.screenshot(path=str(SCREENSHOT))      # the README's picture, mid-run
         assert list(results) == [result] * 8           # batching changes no token
-    lanes = tab.page.locator("#lanes .bar")
-    assert max(int(lanes.nth(i).get_attribute("data-lanes")) for i in range(lanes.count())) > 1
+    lanes = tab.page.evaluate("[...document.querySelectorAll('#lanes .bar')].map(b => Number(b.dataset.lanes))")
+    assert max(lanes) > 1
     kill_looper(tab, server)
     assert idle(server)["kv"]["referenced"] == 0
     tab.wait_kv("referenced", 0)
@@ -496,3 +495,26 @@ def test_the_examples_inputs_are_read_from_their_mains():
                 {"name": "x", "required": False}, {"name": "q", "required": True}]
     assert python_inputs(python) == javascript_inputs(javascript) == expected
     assert python_inputs("def main(:\n") == []                 # a file that does not parse offers no inputs
+
+
+def test_the_pages_routes_while_the_engine_loads():
+    """Before the engine serves, the page loads and its figures say so; the figures need the key,
+    the page and its files do not."""
+    from starlette.testclient import TestClient
+
+    from pie_actors.serve.app import build_app
+    from pie_actors.serve.metrics import Metrics
+    from pie_actors.serve.routes import Serving
+    from pie_actors.serve.sessions import Sessions
+
+    loading = Serving("smollm2", ("default",), Metrics(), Sessions(600, 16))
+    with TestClient(build_app(loading, (KEY,))) as app:
+        page = app.get("/")
+        assert page.status_code == 200 and page.text == app.get("/playground").text
+        assert '<button id="run" type="button" class="primary">Run</button>' in page.text
+        assert app.get("/playground/assets/playground.js").headers["content-type"].startswith("text/javascript")
+        missing = app.get("/playground/assets/secrets.txt")
+        assert missing.status_code == 404 and "'secrets.txt'" in missing.json()["error"]["message"]
+        assert app.get("/playground/stats").status_code == 401
+        figures = app.get("/playground/stats", headers={"Authorization": f"Bearer {KEY}"}).json()
+        assert figures["status"] == "loading" and figures["processes"] == [] and figures["model"] == "smollm2"

@@ -21,7 +21,7 @@ const LANGUAGES = {
   },
   javascript: {
     keywords: words(JS_KEYWORDS), builtins: words(JS_BUILTINS), defines: words("function class"),
-    token: /(\/\/[^\n]*|\/\*[\s\S]*?(?:\*\/|$))|(`(?:\\[\s\S]|[^`\\])*`?|"(?:\\.|[^"\\\n])*"?|'(?:\\.|[^'\\\n])*'?)|(@@)|(\b\d[\w.]*)|([A-Za-z_$][\w$]*)/g,
+    token: /(\/\/[^\n]*|\/\*[\s\S]*?(?:\*\/|$))|(`(?:\\[\s\S]|[^`\\])*`?|"(?:\\.|[^"\\\n])*"?|'(?:\\.|[^'\\\n])*'?)|(@[\w$.]+)|(\b\d[\w.]*)|([A-Za-z_$][\w$]*)/g,
   },
 };
 
