@@ -107,6 +107,7 @@ def test_every_op_refuses_malformed_args_and_the_runs_go_on(runtime):
     for case, op, _, said in table:
         error = out["errors"][case]
         assert error is not None and error.startswith(f"{op}: ") and said in error, (case, error)
+        assert not error.startswith(f"{op}: {op}: "), error          # the op named once
     assert {op.name for op in host_ops()} <= {op for _, op, _, _ in table}
     settle(runtime, start)
 
