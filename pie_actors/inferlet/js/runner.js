@@ -127,7 +127,14 @@ function userFrames(stack) {
     .map((frame) => frame.replace(FRAME_FILE, (_, file, line, col) => location(file, Number(line), Number(col))));
 }
 
+// what SpiderMonkey throws when an allocation fails at the sandbox's memory limit
+const OUT_OF_MEMORY = 'out of memory';
+
 function errorJson(kind, error) {
+  if (error === OUT_OF_MEMORY || (error instanceof Error && error.message === OUT_OF_MEMORY)) {
+    // the message the host gives a Python run that ran out of memory
+    return JSON.stringify({ kind: 'memory', message: 'the inferlet ran out of memory', traceback: OUT_OF_MEMORY });
+  }
   if (!(error instanceof Error)) {
     const message = `uncaught ${typeof error}: ${String(error)}`;
     return JSON.stringify({ kind, message, traceback: message });

@@ -16,10 +16,14 @@ export class HostError extends Error {
 const pending = new Map();     // host future id -> {resolve, reject} of the Promise awaiting it
 
 /** Run host operation `op` on `args` (JSON); its result, or HostError with the host's message. */
-export function call(op, args = null) {
+export const call = (op, args = null) => callJson(op, JSON.stringify(args));
+
+/** call() with its arguments as JSON text already. Binary data (base64) goes this way:
+ * JSON.stringify's buffer of a megabyte string costs the sandbox's heap several megabytes. */
+export function callJson(op, argsJson) {
   let out;
   try {
-    out = wasmCall(op, JSON.stringify(args));
+    out = wasmCall(op, argsJson);
   } catch (e) {
     // the host's `err` arrives as an Error whose payload is the host's message
     if (e && e.payload !== undefined) throw new HostError(`${op}: ${e.payload}`);
@@ -68,17 +72,47 @@ export const _host = {
 /** Whole numbers of `values` (what Python's int() makes of them). */
 export const ints = (values) => Array.from(values, (v) => Math.trunc(Number(v)));
 
-/** Bytes (a Uint8Array, or text as UTF-8) as base64, the form binary data crosses in. */
+const BASE64 = 'ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/';
+const CODES = Array.from(BASE64, (c) => c.charCodeAt(0));
+const CHUNK = 3 * 1024;      // bytes encoded per string piece (4,096 characters)
+
+/** Bytes (a Uint8Array, or text as UTF-8) as base64, the form binary data crosses in. Encoded a
+ * piece at a time into a reused buffer: btoa of a byte string costs the sandbox's heap many times
+ * the data's size. */
 export function toBase64(data) {
-  const bytes = typeof data === 'string' ? new TextEncoder().encode(data) : Uint8Array.from(data);
-  let binary = '';
-  for (let i = 0; i < bytes.length; i += 0x8000) {
-    binary += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
+  const bytes = typeof data === 'string' ? new TextEncoder().encode(data) : data instanceof Uint8Array ? data
+    : Uint8Array.from(data);
+  const pieces = [];
+  const out = new Uint16Array(CHUNK / 3 * 4);
+  for (let start = 0; start < bytes.length; start += CHUNK) {
+    const end = Math.min(start + CHUNK, bytes.length);
+    let n = 0;
+    for (let i = start; i < end; i += 3) {
+      const left = end - i;
+      const word = (bytes[i] << 16) | ((left > 1 ? bytes[i + 1] : 0) << 8) | (left > 2 ? bytes[i + 2] : 0);
+      out[n++] = CODES[word >>> 18];
+      out[n++] = CODES[(word >>> 12) & 63];
+      out[n++] = left > 1 ? CODES[(word >>> 6) & 63] : 61;     // 61: "="
+      out[n++] = left > 2 ? CODES[word & 63] : 61;
+    }
+    pieces.push(String.fromCharCode.apply(null, out.subarray(0, n)));
   }
-  return btoa(binary);
+  return pieces.join('');
 }
 
+const VALUES = new Uint8Array(128);     // character code -> its 6 bits
+CODES.forEach((code, i) => { VALUES[code] = i; });
+
 export function fromBase64(text) {
-  const binary = atob(text);
-  return Uint8Array.from(binary, (c) => c.charCodeAt(0));
+  const clean = text.replace(/=+$/, '');
+  const bytes = new Uint8Array(Math.floor(clean.length * 3 / 4));
+  let n = 0;
+  for (let i = 0; i < clean.length; i += 4) {
+    const word = (VALUES[clean.charCodeAt(i)] << 18) | (VALUES[clean.charCodeAt(i + 1)] << 12)
+      | (VALUES[clean.charCodeAt(i + 2)] << 6) | VALUES[clean.charCodeAt(i + 3)];
+    bytes[n++] = word >>> 16;
+    if (n < bytes.length) bytes[n++] = (word >>> 8) & 255;
+    if (n < bytes.length) bytes[n++] = word & 255;
+  }
+  return bytes;
 }

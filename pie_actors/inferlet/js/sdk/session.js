@@ -2,7 +2,7 @@
 // processes) and http (requests the host makes within the run's guards).
 
 import { send as wasmSend } from 'pie:inferlet/host@0.1.0';
-import { HostError, call, callAsync, fromBase64, toBase64 } from './host.js';
+import { HostError, call, callAsync, callJson, fromBase64, toBase64 } from './host.js';
 
 export const session = {
   /** Stream `message` to the client now: text as is, anything else as JSON. */
@@ -12,7 +12,7 @@ export const session = {
   /** receive(), with who sent it: [sender, message], sender null for the client. */
   receiveFrom: () => callAsync('session.receive_from'),
   /** Send binary data (a Uint8Array, or text as UTF-8) to the client. */
-  sendFile: (data) => call('session.send_file', toBase64(data)),
+  sendFile: (data) => callJson('session.send_file', `"${toBase64(data)}"`),
   /** The next binary message from the client, as a Uint8Array. */
   receiveFile: async () => fromBase64(await callAsync('session.receive_file')),
   /** The file attached at launch as `pie run --file name=path`, as a Uint8Array. */
