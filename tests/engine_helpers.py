@@ -13,23 +13,41 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
             tie_word_embeddings=False)
 
 
-def save_tiny_model(family: str, folder: Path, seed: int = 0, **save_options) -> Path:
-    """A randomly initialised Llama/Qwen2/Qwen3-shaped model written as a Hugging Face folder
-    (`save_options`: save_pretrained's, max_shard_size say)."""
+# Qwen3.5's hybrid: three gated DeltaNet layers, then a gated attention layer, twice
+TINY_HYBRID = dict(TINY, num_hidden_layers=8, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+                   linear_key_head_dim=16, linear_value_head_dim=16)
+
+
+def save_tiny_model(family: str, folder: Path, seed: int = 0, vocab_size: int | None = None,
+                    **save_options) -> Path:
+    """A randomly initialised Llama/Qwen2/Qwen3/Qwen3.5-shaped model written as a Hugging Face folder
+    ("qwen3_5": Qwen3_5ForCausalLM; "qwen3_5_vl": the text part of Qwen3_5ForConditionalGeneration,
+    with a one-block vision tower). `vocab_size` replaces the tiny 512 (a real tokenizer's ids);
+    `save_options`: save_pretrained's, max_shard_size say."""
     import transformers
     torch.manual_seed(seed)
-    if family == "qwen3":           # head_dim 64: a size the CPU attention kernel serves
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=64, **TINY))
+    tiny = TINY if vocab_size is None else dict(TINY, vocab_size=vocab_size)
+    hybrid = TINY_HYBRID if vocab_size is None else dict(TINY_HYBRID, vocab_size=vocab_size)
+    if family == "qwen3_5":
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**hybrid))
+    elif family == "qwen3_5_vl":
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+        model = transformers.Qwen3_5ForConditionalGeneration(
+            transformers.Qwen3_5Config(text_config=hybrid, vision_config=vision))
+    elif family == "qwen3":           # head_dim 64: a size the CPU attention kernel serves
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=64, **tiny))
     elif family == "qwen2":
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TINY))
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**tiny))
     else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny))
     with torch.no_grad():   # default init leaves biases 0 and norms 1: randomise so they are tested
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
             elif "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif "lm_head" in name and family.startswith("qwen3_5"):
+                p.normal_(0, 0.5)   # logits far apart: float32 rounding never flips a greedy token
     model.save_pretrained(folder, **save_options)
     return folder
 

@@ -3,6 +3,7 @@
 from .pool import (Evicted, InvalidSlot, KVStoreError, OutOfPages, QuotaExceeded, UnknownSaved,
                    UnknownSequence)
 from .prefix import ROOT, chain_key, partition_root
+from .states import OutOfStates
 from .store import AppendPlan, KVStore, Mark
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "KVStoreError",
     "Mark",
     "OutOfPages",
+    "OutOfStates",
     "QuotaExceeded",
     "ROOT",
     "UnknownSaved",

@@ -11,6 +11,14 @@ extent and chain keys stay, under its id, until it comes back with as many pages
 caller writes (`reload`: rows kept in host memory), or empty, to be prefilled again (`reset`).
 Saved working sets and the working sets of parked programs leave the pool this way when it runs
 short (gpu/engine/saved.py).
+
+A model with recurrent layers (linear attention) also keeps a fixed-size state per sequence, in a
+slot of the store's `StatePool` (states.py): a store made with `num_states` gives each sequence one.
+A pass reads the sequence's state slot and writes the state after its rows into a new slot
+(`advance_state`), which becomes the sequence's at `commit`, or goes back at `rollback`. A state
+holds every written row, so such a sequence takes rows only in order: no gaps, no rewriting of
+unfrozen rows, no cutting back; `fork` copies the state (the copy is queued for the engine,
+`take_state_copies`); the prefix index is not used for it (its pages alone do not give the state).
 """
 
 import itertools
@@ -21,6 +29,7 @@ from typing import NamedTuple
 
 from .pool import Evicted, InvalidSlot, KVStoreError, OutOfPages, PagePool, QuotaExceeded, UnknownSequence
 from .prefix import ROOT, chain_key
+from .states import StatePool
 
 
 @dataclass
@@ -48,6 +57,8 @@ class _Seq:
     keys: list[int] = field(default_factory=list)  # chain key of each leading full frozen page
     root: int = ROOT  # its partition's root: the parent key of its first page (prefix.py)
     counted: bool = True  # its pages count against its partition's bound (saved sets' do not)
+    state: int | None = None  # its recurrent state's slot (None: no rows yet, the zero state)
+    next_state: int | None = None  # the slot a pass in flight writes its next state into
 
     @property
     def length(self) -> int:
@@ -55,7 +66,9 @@ class _Seq:
 
 
 class KVStore:
-    def __init__(self, num_pages: int, page_size: int = 16, prefix_cache: bool = True) -> None:
+    def __init__(self, num_pages: int, page_size: int = 16, prefix_cache: bool = True,
+                 num_states: int = 0) -> None:
+        """`num_states`: recurrent-state slots, for a model with recurrent layers (0: none)."""
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
         self.num_pages = num_pages
@@ -69,6 +82,13 @@ class KVStore:
         # saved working sets and those of parked programs to make room (gpu/engine/saved.py).
         self.reclaim: Callable[[int], None] | None = None
         self._bounds: dict[int, int] = {}  # partition root -> pages its counted sequences may hold
+        self._states = StatePool(num_states) if num_states else None
+        self.state_copies: list[tuple[int, int]] = []  # (src, dst) state slots for the engine to copy
+
+    @property
+    def keeps_state(self) -> bool:
+        """Whether each sequence keeps a recurrent state (the model has recurrent layers)."""
+        return self._states is not None
 
     # -- sequences ------------------------------------------------------------------------------
 
@@ -81,9 +101,11 @@ class KVStore:
     def free(self, seq: int) -> None:
         """Release all its pages; indexed ones become cached, the rest free. An evicted sequence
         holds none: it is forgotten."""
-        if self._evicted.pop(seq, None) is not None:
+        evicted = self._evicted.pop(seq, None)
+        s = evicted[0] if evicted is not None else self._get(seq)
+        self._release_states(s)
+        if evicted is not None:
             return
-        s = self._get(seq)
         del self._seqs[seq]
         # Tail first, so LRU eviction takes a chain's deepest pages before its root: once the
         # root is gone, nothing below it can be found again.
@@ -103,7 +125,18 @@ class KVStore:
         shared = s.pages[:full]
         if counted:
             self._check_bound(seq, s.root, 1 if tail else 0, shared)   # a saved set's pages are new to it
-        copy = self._allocate(1 if tail else 0)  # before any incref: OutOfPages changes nothing
+        if self._states is not None and s.folded != s.length:
+            raise InvalidSlot(f"sequence {seq}: its recurrent state holds {s.length} rows, "
+                              f"a fork takes the {s.folded} frozen ones")
+        state = self._states.allocate() if self._states is not None and s.state is not None else None
+        try:
+            copy = self._allocate(1 if tail else 0)  # before any incref: OutOfPages changes nothing
+        except OutOfPages:
+            if state is not None:
+                self._states.release(state)
+            raise
+        if state is not None:
+            self.state_copies.append((s.state, state))
         for page in shared:
             self._pool.incref(page)
         child = next(self._ids)
@@ -115,6 +148,7 @@ class KVStore:
             keys=list(s.keys),
             root=s.root,
             counted=counted,
+            state=state,
         )
         return child, [(s.pages[full], copy[0])] if tail else []
 
@@ -165,7 +199,8 @@ class KVStore:
         ps = self.page_size
         # Reuse needs the chain key of s's last page (canonical and fully frozen) and a page
         # boundary with no reserved pages past it, where the attached pages go.
-        if not (self.prefix_cache and s.canonical and s.folded == s.length == len(s.pages) * ps):
+        if not (self.prefix_cache and s.canonical and s.folded == s.length == len(s.pages) * ps
+                and self._states is None):
             return []
         parent = s.keys[-1] if s.keys else s.root
         hits = []
@@ -198,6 +233,9 @@ class KVStore:
         s = self._get(seq)
         if len(local_slots) != len(tokens):
             raise InvalidSlot(f"sequence {seq}: {len(local_slots)} slots for {len(tokens)} tokens")
+        if self._states is not None and list(local_slots) != list(range(s.length, s.length + len(tokens))):
+            raise InvalidSlot(f"sequence {seq}: its recurrent state takes rows only in order, at slots "
+                              f"{s.length}.. (asked for {list(local_slots)[:8]})")
         capacity = len(s.pages) * self.page_size
         for slot in local_slots:
             if slot < s.folded:
@@ -217,6 +255,9 @@ class KVStore:
         """Called after the engine wrote the KV. Freeze up to fold_to if given (folded only grows,
         so a smaller fold_to is a no-op), then index every full page that is now entirely frozen."""
         s = self._get(seq)
+        if s.next_state is not None:
+            self._states.release(s.state)
+            s.state, s.next_state = s.next_state, None
         if fold_to is not None:
             if fold_to > s.length:
                 raise InvalidSlot(f"sequence {seq}: cannot fold to {fold_to}, only {s.length} slots written")
@@ -242,6 +283,10 @@ class KVStore:
             raise InvalidSlot(
                 f"sequence {seq}: cannot truncate to {length}, must be in [folded={s.folded}, length={s.length}]"
             )
+        self._check_state_kept(seq, s, length)
+        self._drop(s, length)
+
+    def _drop(self, s: _Seq, length: int) -> None:
         del s.tokens[length:]
         keep = self._pages_for(length)
         for page in reversed(s.pages[keep:]):
@@ -256,6 +301,7 @@ class KVStore:
         s = self._get(seq)
         if not 0 <= length <= s.length:
             raise InvalidSlot(f"sequence {seq}: cannot cut to {length}, it has {s.length} slots")
+        self._check_state_kept(seq, s, length)
         full, tail = divmod(length, self.page_size)
         copies = []
         if tail and (full < len(s.keys) or self._pool.refcount[s.pages[full]] > 1):
@@ -266,8 +312,13 @@ class KVStore:
         s.folded = min(s.folded, length)
         s.cached_tokens = min(s.cached_tokens, length)
         del s.keys[full:]
-        self.truncate(seq, length)
+        self._drop(s, length)
         return copies
+
+    def _check_state_kept(self, seq: int, s: _Seq, length: int) -> None:
+        if self._states is not None and length != s.length:
+            raise InvalidSlot(f"sequence {seq}: its recurrent state holds {s.length} rows and cannot go "
+                              f"back to {length}")
 
     # -- eviction -------------------------------------------------------------------------------
 
@@ -303,6 +354,7 @@ class KVStore:
         recomputes it (it was `replayable` when evicted)."""
         s, _ = self._evicted_seq(seq)
         del self._evicted[seq]
+        self._release_states(s)
         self._seqs[seq] = _Seq(root=s.root, counted=s.counted)
         return s.tokens[: s.folded]
 
@@ -328,9 +380,43 @@ class KVStore:
         (they were frozen at once, so `truncate` cannot remove them). Only valid before the next
         commit of the sequence, which is how the engine uses it: plan, fail, roll back."""
         s = self._get(mark.seq)
+        if s.next_state is not None:
+            self._states.release(s.next_state)
+            s.next_state = None
         s.folded, s.cached_tokens = mark.folded, mark.cached_tokens
         del s.keys[mark.keys:]
-        self.truncate(mark.seq, mark.length)
+        if not s.folded <= mark.length <= s.length:
+            raise InvalidSlot(f"sequence {mark.seq}: cannot roll back to {mark.length}")
+        self._drop(s, mark.length)
+
+    # -- recurrent state ------------------------------------------------------------------------
+
+    def advance_state(self, seq: int) -> tuple[int, int] | None:
+        """For a pass appending rows to ``seq``: (the slot its state is read from, a new slot the
+        state after those rows is written to), or None when the store keeps no states. The new
+        slot becomes the sequence's at `commit`; `rollback` releases it."""
+        if self._states is None:
+            return None
+        s = self._get(seq)
+        dst = self._states.allocate()
+        self._states.release(s.next_state)
+        s.next_state = dst
+        return (self._states.zero if s.state is None else s.state), dst
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) state-slot copies queued since the last call, for the next batch to run first."""
+        copies, self.state_copies = self.state_copies, []
+        return copies
+
+    def state_stats(self) -> dict[str, int]:
+        """Recurrent-state slots: {"total", "free", "held"} (all 0 for a store that keeps none)."""
+        return self._states.stats() if self._states else {"total": 0, "free": 0, "held": 0}
+
+    def _release_states(self, s: _Seq) -> None:
+        if self._states is not None:
+            self._states.release(s.state)
+            self._states.release(s.next_state)
+            s.state = s.next_state = None
 
     # -- queries --------------------------------------------------------------------------------
 
@@ -425,6 +511,12 @@ class KVStore:
     def check(self) -> None:
         """Raise AssertionError describing the first accounting inconsistency found."""
         self._pool.check(Counter(page for s in self._seqs.values() for page in s.pages))
+        if self._states is not None:
+            every = list(self._seqs.values()) + [s for s, _ in self._evicted.values()]
+            self._states.check([slot for s in every for slot in (s.state, s.next_state) if slot is not None])
+            for seq, s in self._seqs.items():
+                if (s.state is None) != (s.length == 0):
+                    raise AssertionError(f"sequence {seq}: {s.length} rows but state slot {s.state}")
         if both := self._evicted.keys() & self._seqs.keys():
             raise AssertionError(f"sequences both live and evicted: {sorted(both)}")
         ps = self.page_size

@@ -33,7 +33,7 @@ from ..model.tp import Comm, join_group
 from .channels import ChannelStore
 from .saved import ParkedSets, SavedSets, Spill
 from .scheduler import Epilogue, Lane, PassRequest, Planned, Scheduler
-from .worker import BatchPlan, Worker, kv_bytes_per_page, start_remote_ranks
+from .worker import BatchPlan, Worker, kv_bytes_per_page, start_remote_ranks, state_slots
 
 
 def _free_port() -> int:
@@ -118,6 +118,8 @@ class Engine:
         tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         cfg = load_checkpoint(model_dir).config
         config.check_model(cfg)
+        if cfg.recurrent_layers and config.tp > 1:
+            raise ValueError(f"{cfg.architecture} has recurrent layers, which run at tensor-parallel size 1")
         num_pages = config.num_pages or max(
             1, (config.kv_memory_mb << 20) // kv_bytes_per_page(cfg, config.page_size, dt, config.tp))
         comm, remote = Comm(), None
@@ -129,16 +131,19 @@ class Engine:
             remote = start_remote_ranks(config, str(model_dir), dev, dt, num_pages, init)
             comm = join_group(0, config.tp, init, dev)
         key = _compile_key(config, model_dir, dev, dt)
-        packages = compiled_decode.package_dir(key) if _compiles(config, dev, long_lived, key) else None
+        # compiled decode steps cover models whose every layer keeps KV
+        compiles = not cfg.recurrent_layers and _compiles(config, dev, long_lived, key)
+        packages = compiled_decode.package_dir(key) if compiles else None
+        num_states = state_slots(cfg, num_pages, config.page_size, dt)
         worker = Worker(model_dir, config, device=dev, dtype=dt, num_pages=num_pages, comm=comm,
-                        packages=packages)
+                        packages=packages, num_states=num_states)
         if worker.compiled is not None and long_lived:
             worker.compiled.load_compiled()      # a tenth of a second a bucket (after inductor's imports)
             worker.compiled.compile_behind(model_dir)
         elif worker.compiled is not None:
             worker.compiled.warm_up(progress)
-        return cls(worker, KVStore(num_pages, config.page_size, config.prefix_cache), config, tokenizer,
-                   remote)
+        return cls(worker, KVStore(num_pages, config.page_size, config.prefix_cache, num_states), config,
+                   tokenizer, remote)
 
     # ---- sequences ---------------------------------------------------------------------------
     def create_sequence(self, partition: int = ROOT) -> int:
@@ -288,7 +293,7 @@ class Engine:
         if planned:
             self.step_seconds.update(plan=time.perf_counter() - started, plan_cpu=time.thread_time() - cpu)
             self._execute(planned, plan)
-        elif plan.copies:
+        elif plan.copies or plan.state_copies:
             self._broadcast_and_run(plan)
         return handled
 
@@ -314,6 +319,7 @@ class Engine:
             with self._lock:
                 # forks' tail-page copies go first into the next batch (copying twice is harmless)
                 self.scheduler.copies[:0] = plan.copies
+                self.kv.state_copies[:0] = plan.state_copies
                 for p in planned:
                     self.scheduler.rollback(p.undo)
                     self.scheduler.fail(p.request, e)

@@ -272,7 +272,7 @@ class Scheduler:
         self._turn = 0                               # rotates the program that goes first in a batch
 
     def has_work(self) -> bool:
-        return bool(self.pending or self.copies)
+        return bool(self.pending or self.copies or self.kv.state_copies)
 
     def add(self, request: PassRequest, now: float) -> None:
         self._queue(request)
@@ -295,7 +295,7 @@ class Scheduler:
         handled (planned or rejected)."""
         # The copies run first in this batch; they stay the pending ones while its passes are
         # planned, for an allocation that evicts a set to see those into its pages (saved.py).
-        plan = BatchPlan([], [], [], [], [], self.copies)
+        plan = BatchPlan([], [], [], [], [], self.copies, state_copies=self.kv.take_state_copies())
         planned: list[Planned] = []
         busy: set[int] = set()
         handled = 0
@@ -378,7 +378,7 @@ class Scheduler:
         except (PassError, KVStoreError):
             self.rollback(undo)
             del plan.input_ids[mark[0]:], plan.positions[mark[0]:], plan.write_slots[mark[0]:]
-            del plan.lanes[mark[1]:], plan.readout[mark[2]:]
+            del plan.lanes[mark[1]:], plan.states[mark[1]:], plan.readout[mark[2]:]
             raise
         if req.adapters:
             plan.adapters += [AdapterUse(site, layer, mark[0], len(plan.input_ids), fn)
@@ -434,6 +434,12 @@ class Scheduler:
                             f"and stay within the sequence's {length} slots")
         if lane.mask is not None and (len(lane.mask) != n or any(len(r) != kv_len for r in lane.mask)):
             raise PassError(f"sequence {seq}: mask must be {n} rows x {kv_len} slots")
+        state = kv.advance_state(seq)     # the model's recurrent layers read and write it in order
+        if state is not None:
+            if lane.mask is not None or kv_len != length:
+                raise PassError(f"sequence {seq}: the model's recurrent layers see every row before "
+                                "these: a mask or a shorter kv_len is not possible")
+            plan.states.append(state)
         start = len(plan.input_ids)
         plan.input_ids += lane.tokens[skip:]
         plan.positions += positions

@@ -18,6 +18,8 @@ from ..kernels import cpu_kernels, hugepages
 from ..kernels.attention import AttentionMetadata, LanePlan
 from ..kernels.compiled_decode import CompiledDecode
 from ..model import LlamaModel, ModelConfig, build_model
+from ..model.config import FULL_ATTENTION
+from ..model.qwen3_5 import RecurrentMetadata, recurrent_state, recurrent_state_bytes
 from ..model.adapters import AdapterUse
 from ..model.loader import load_checkpoint
 from ..model.tp import Comm, join_group
@@ -33,6 +35,10 @@ class BatchPlan:
     lanes: list[LanePlan]
     readout: list[int]                     # batch rows whose logits are returned
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) pages to copy first
+    # A model with recurrent layers: each lane's (state slot read, state slot written), and the
+    # (src, dst) state slots to copy first
+    states: list[tuple[int, int]] = field(default_factory=list)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
     adapters: list[AdapterUse] = field(default_factory=list)      # (tensor-parallel size 1 only)
 
 
@@ -51,16 +57,27 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype, 
 
 
 def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype, tp: int = 1) -> int:
-    return 2 * cfg.num_layers * page_size * (cfg.num_kv_heads // tp) * cfg.head_dim * dtype.itemsize
+    return 2 * len(cfg.kv_layers) * page_size * (cfg.num_kv_heads // tp) * cfg.head_dim * dtype.itemsize
+
+
+def state_slots(cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype) -> int:
+    """Recurrent-state slots for a model with recurrent layers (0 for one without): as many as fit
+    in the memory of the KV pages, between 32 and two per page (a working set holds a page and,
+    while a pass runs, two slots: the state it reads and the one it writes)."""
+    if not cfg.recurrent_layers:
+        return 0
+    fit = num_pages * kv_bytes_per_page(cfg, page_size, dtype) // recurrent_state_bytes(cfg, dtype)
+    return max(32, min(2 * num_pages, fit))
 
 
 class Worker:
     """One rank: the model shard plus per-layer K and V caches of shape [kv_heads, num_pages * page_size, head_dim]."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig, *, device: torch.device,
-                 dtype: torch.dtype, num_pages: int, comm: Comm | None = None, packages: Path | None = None):
+                 dtype: torch.dtype, num_pages: int, comm: Comm | None = None, packages: Path | None = None,
+                 num_states: int = 0):
         """`packages`: the folder of this engine's compiled decode buckets (compiled_decode.py); None
-        runs decode eager."""
+        runs decode eager. `num_states`: recurrent-state slots (`state_slots`)."""
         if device.type == "cpu":   # Ray sets OMP_NUM_THREADS=1 inside actors: say how many we use
             torch.set_num_threads(config.num_threads or _cores())
         self.comm = comm or Comm()
@@ -75,7 +92,12 @@ class Worker:
         heads = self.cfg.num_kv_heads // self.comm.world_size
         # One page past the pool: a scratch page for the padding rows of compiled decode batches.
         shape = (heads, (num_pages + 1) * self.page_size, self.cfg.head_dim)
-        self.kv_caches = [(zeros(shape, dtype=dtype), zeros(shape, dtype=dtype)) for _ in range(self.cfg.num_layers)]
+        self.kv_caches = [(zeros(shape, dtype=dtype), zeros(shape, dtype=dtype)) for _ in self.cfg.kv_layers]
+        # each layer's state: its K and V caches, or (linear attention) its recurrent-state slots
+        kv = iter(self.kv_caches)
+        self.caches = [next(kv) if self.cfg.layer_type(i) == FULL_ATTENTION
+                       else recurrent_state(self.cfg, num_states, device, dtype) for i in range(self.cfg.num_layers)]
+        self.recurrent = [self.caches[i] for i in self.cfg.recurrent_layers]
         # decode attention: the C++ kernel on the CPU where it builds (cpu_kernels.py)
         use_kernel = (device.type == "cpu" and self.cfg.head_dim in cpu_kernels.HEAD_DIMS
                       and cpu_kernels.load())
@@ -92,6 +114,8 @@ class Worker:
         """Run one batch; returns float32 logits [len(plan.readout), vocab] on the worker's device."""
         if plan.copies:
             self._copy_pages(plan.copies)
+        if plan.state_copies:
+            self._copy_states(plan.state_copies)
         if not plan.input_ids:
             return torch.empty(0, self.cfg.vocab_size, device=self.device)
         if (self.compiled and not plan.adapters and self.compiled.accepts(plan.lanes)
@@ -103,7 +127,9 @@ class Worker:
         ids = torch.tensor(plan.input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(plan.positions, dtype=torch.long, device=dev)
         meta = AttentionMetadata.build(plan.lanes, plan.write_slots, self.page_size, dev, self.decode_form)
-        hidden = self.model(ids, pos, self.kv_caches, meta, plan.adapters)
+        args = (ids, pos, self.caches, meta, plan.adapters)
+        hidden = (self.model(*args, RecurrentMetadata.build(plan.lanes, plan.states, dev)) if self.recurrent
+                  else self.model(*args))
         rows = torch.tensor(plan.readout, dtype=torch.long, device=dev)
         return self.model.logits(hidden.index_select(0, rows))
 
@@ -117,6 +143,11 @@ class Worker:
         for k, v in self.kv_caches:
             k.index_copy_(1, dst, k.index_select(1, src))
             v.index_copy_(1, dst, v.index_select(1, src))
+
+    def _copy_states(self, copies: list[tuple[int, int]]) -> None:
+        for src, dst in copies:
+            for conv, ssm in self.recurrent:
+                conv[dst], ssm[dst] = conv[src], ssm[src]
 
     @torch.inference_mode()
     def read_pages(self, pages: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:

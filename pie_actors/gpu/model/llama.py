@@ -37,8 +37,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies, with Llama 3.1's frequency-dependent scaling when the config asks for it."""
-    dim = cfg.head_dim
+    """Inverse frequencies of the rotated dimensions (all of a head's, or its leading `rotary_dim`),
+    with Llama 3.1's frequency-dependent scaling when the config asks for it."""
+    dim = cfg.rotary_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = cfg.rope_scaling or {}
     if scaling.get("rope_type", scaling.get("type")) == "llama3":
@@ -71,9 +72,12 @@ class Rotary(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; rotate-half convention (the Hugging Face layout of q/k weights)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    """x [T, H, D]; rotate-half convention (the Hugging Face layout of q/k weights). With partial
+    rotary (cos/sin narrower than D/2) only the leading 2 * cos.shape[-1] dimensions turn."""
+    rot = 2 * cos.shape[-1]
+    x1, x2 = x[..., :rot].float().chunk(2, dim=-1)
+    turned = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    return turned if rot == x.shape[-1] else torch.cat((turned, x[..., rot:]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -85,8 +89,11 @@ class Attention(nn.Module):
                              f"over tensor-parallel size {tp}")
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim
         d = cfg.head_dim
+        # With an output gate (Qwen3.5), q_proj gives each head its query and then its gate.
+        self.gated = cfg.attn_output_gate
+        q_size = cfg.num_heads * d * (2 if self.gated else 1)
         self.qkv_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, {"q": cfg.num_heads * d, "k": cfg.num_kv_heads * d, "v": cfg.num_kv_heads * d},
+            cfg.hidden_size, {"q": q_size, "k": cfg.num_kv_heads * d, "v": cfg.num_kv_heads * d},
             bias=cfg.attention_bias, comm=comm)
         self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, bias=False, comm=comm)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -98,13 +105,17 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         if adapt is not None:
             q, k, v = adapt("q", x, q), adapt("k", x, k), adapt("v", x, v)
-        q = q.view(-1, self.num_heads, self.head_dim)
+        gate = None
+        if self.gated:
+            q, gate = q.view(-1, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        o = paged_attention(q, k, v, kv[0], kv[1], meta).flatten(1)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta)
+        o = (o if gate is None else o * torch.sigmoid(gate)).flatten(1)
         out = self.o_proj(o)
         return out if adapt is None else adapt("o", o, out)
 
@@ -155,10 +166,15 @@ class LlamaModel(nn.Module):
         comm = comm or Comm()
         self.cfg = cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm)
-        self.layers = nn.ModuleList(Block(cfg, comm) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.block(cfg, comm, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm)
         self.rotary = Rotary(cfg)
+
+    @staticmethod
+    def block(cfg: ModelConfig, comm: Comm, i: int) -> nn.Module:
+        """Layer `i` (every layer of this family is the same kind)."""
+        return Block(cfg, comm)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -173,14 +189,23 @@ class LlamaModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    def checkpoint_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name in this model; None for tensors it does not use."""
+        return None if "rotary_emb" in name else name.removeprefix("model.")
+
+    def convert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor as this model's parameter `name` holds it."""
+        return tensor
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face named tensors; each parameter's weight_loader takes its own shard."""
         params = dict(self.named_parameters())
         seen: set[str] = set()
         for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if "rotary_emb" in name:
+            name = self.checkpoint_name(name)
+            if name is None:
                 continue
+            tensor = self.convert(name, tensor)
             shard = None
             for src, (dst, shard_id) in self.packed.items():
                 if f".{src}." in name:
