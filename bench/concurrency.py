@@ -13,6 +13,7 @@ engine actor on a local Ray cluster), N programs are launched at once, each gree
   run-ahead  a device loop, the host reading tokens (examples/run_ahead, stop tokens ignored), woken
              once per window's tokens (`wake_every=model.run_ahead_window()`)
   run-ahead/1  the same, woken for each token (`wake_every=1`), as a reader that streams them
+  per-token JS, run-ahead JS  the first two written in JavaScript (examples/js), on the JavaScript runner
 against `engine.generate` of the same N prompts batched in this process. The two alternate,
 `--rounds` times a row, each round on prompts that neither has seen (so no prefix cache favours
 either), and a row gives the median of the rounds' ratios: the machines are shared, and their speed
@@ -41,10 +42,14 @@ from pie_actors import Program, Runtime
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 _RUN_AHEAD = (EXAMPLES / "run_ahead" / "main.py").read_text().replace(
     "tokens[-1] not in stop and len(tokens) < max_tokens", "len(tokens) < max_tokens")
+_RUN_AHEAD_JS = (EXAMPLES / "js" / "run_ahead" / "main.js").read_text().replace(
+    "!stop.has(tokens[tokens.length - 1]) && tokens.length < maxTokens", "tokens.length < maxTokens")
 LOOPS = {"per-token": Program.load(EXAMPLES / "completion_max"),
          "run-ahead": Program.load(_RUN_AHEAD),
-         "run-ahead/1": Program.load(_RUN_AHEAD.replace("wake_every=model.run_ahead_window()", "wake_every=1"))}
-assert "wake_every=1" in LOOPS["run-ahead/1"].source
+         "run-ahead/1": Program.load(_RUN_AHEAD.replace("wake_every=model.run_ahead_window()", "wake_every=1")),
+         "per-token JS": Program.load(EXAMPLES / "js" / "completion_max" / "main.js"),
+         "run-ahead JS": Program(source=_RUN_AHEAD_JS, language="javascript")}
+assert "wake_every=1" in LOOPS["run-ahead/1"].source and "tokens.length < maxTokens" in _RUN_AHEAD_JS
 STORY = " once upon a time, in a small village by the sea, there lived an old fisherman who"
 _TICK = os.sysconf("SC_CLK_TCK")
 

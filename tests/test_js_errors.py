@@ -103,3 +103,10 @@ def test_a_js_bomb_ends_its_own_run_only(runtime, alone, bomb, timeout, kind, sa
     error = failure(abuser)
     assert error.kind == kind and says in error.message, error
     assert_pages_back(runtime)
+
+
+def test_an_import_over_several_lines_keeps_the_lines_where_they_were(runtime):
+    source = ("import {\n  model,\n  chat as c,\n} from 'inferlet';\n\nexport async function main(input) {\n"
+              "  if (c.stopTokens().length && model.encode('a').length) throw new Error('line 7');\n}\n")
+    with pytest.raises(InferletError, match=r"Error: line 7 \(at main.js:7:\d+\)"):
+        run(runtime, Program(source=source, language="javascript"), {})

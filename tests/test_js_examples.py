@@ -153,3 +153,13 @@ def test_spawning_a_module_the_bundle_lacks_names_the_modules(runtime, tmp_path)
     from pie_actors.inferlet.host import InferletError
     with pytest.raises(InferletError, match=r"no module 'nope' \(modules: lib.js, main.js\)"):
         run(runtime, Program.load(tmp_path), {})
+
+
+@pytest.mark.parametrize("example", ["completion_max", "run_ahead"])
+def test_the_benchmarks_loops_give_the_python_originals_tokens(runtime, example):
+    """The loops bench/concurrency.py runs in both languages: the same greedy tokens."""
+    start = referenced(runtime)
+    given = {"prompt": "The capital of France is", "max_tokens": 20}
+    out = run(runtime, Program.load(JS / example / "main.js"), given)
+    assert out == run(runtime, Program.load(EXAMPLES / example / "main.py"), given)
+    settle(runtime, start)
