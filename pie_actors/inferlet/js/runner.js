@@ -25,40 +25,27 @@ const lineBreaks = (text) => text.split('\n').length - 1;
 /** `text` in place of `match`, padded with the line breaks it would lose. */
 const keepLines = (match, text) => text + '\n'.repeat(lineBreaks(match) - lineBreaks(text));
 
-const FROM = /\bfrom\s*['"]/;
-
 /** A module's source as a function body: imports become declarations, exports plain
- * declarations whose names the function returns. Every rewrite keeps the lines where they were.
- * Only the lines that open with `import` or `export` go through the regular expressions: run over
- * the whole source they cost a run's start most of a millisecond (the engine here interprets them). */
+ * declarations whose names the function returns. Every rewrite keeps the lines where they were. */
 function rewrite(source, filename) {
   const exported = [];
-  const lines = source.split('\n');
-  for (let i = 0; i < lines.length; i++) {
-    const head = lines[i].trimStart();
-    if (head.startsWith('import')) {
-      let end = i;                        // an import's names may span lines, up to its `from`
-      while (end < lines.length - 1 && !FROM.test(lines[end])) end++;
-      const statement = lines.slice(i, end + 1).join('\n');
-      lines.splice(i, end - i + 1, ...statement.replace(IMPORT, (match, indent, star, names, single, quote, module) => {
-        const from = `__pie_import(${JSON.stringify(module)})`;
-        if (star) return keepLines(match, `${indent}const ${star} = ${from};`);
-        if (single) return keepLines(match, `${indent}const ${single} = ${from}.default;`);
-        return keepLines(match, `${indent}const {${names.replace(/\bas\b/g, ':')}} = ${from};`);
-      }).split('\n'));
-      i = end;
-    } else if (head.startsWith('export')) {
-      lines[i] = lines[i].replace(EXPORT, (_, indent, kind, name) => {
-        exported.push(name);
-        return `${indent}${kind}${name}`;
-      });
-    }
-  }
-  return `${HEADER}${lines.join('\n')}\nreturn { ${exported.join(', ')} };\n})\n//# sourceURL=${filename}`;
+  const body = source
+    .replace(IMPORT, (match, indent, star, names, single, quote, module) => {
+      const from = `__pie_import(${JSON.stringify(module)})`;
+      if (star) return keepLines(match, `${indent}const ${star} = ${from};`);
+      if (single) return keepLines(match, `${indent}const ${single} = ${from}.default;`);
+      return keepLines(match, `${indent}const {${names.replace(/\bas\b/g, ':')}} = ${from};`);
+    })
+    .replace(EXPORT, (_, indent, kind, name) => {
+      exported.push(name);
+      return `${indent}${kind}${name}`;
+    });
+  return `${HEADER}${body}\nreturn { ${exported.join(', ')} };\n})\n//# sourceURL=${filename}`;
 }
 
 // Rewrite a module once here, at build time: the runner's start is snapshotted, so every run
-// begins with these regular expressions compiled (compiling them took a run ~0.5 ms).
+// begins with these regular expressions compiled (the engine here interprets them, and compiling
+// them took each run ~0.6 ms, a third of its start).
 rewrite('import { a } from "b";\nimport * as c from "d";\nexport async function e() {}\n', 'warm.js');
 
 /** Where an error points, as file:line:column of the source (not of the rewritten text). */
