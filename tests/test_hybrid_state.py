@@ -87,7 +87,7 @@ def test_fork_of_unfrozen_rows_is_refused(folder):
         seq = engine.create_sequence()
         engine.submit(PassRequest([Lane(seq, PROMPT, fold=False)], _greedy))
         engine.run_until_idle()
-        with pytest.raises(InvalidSlot, match="recurrent state holds 33 rows"):
+        with pytest.raises(InvalidSlot, match=r"state is kept at 33 rows and at \[\], not at 0"):
             engine.fork(seq)
         engine.free(seq)
         _all_back(engine)

@@ -8,8 +8,22 @@ state, the state a pass in flight is writing for it, or one of its checkpoints.
 """
 
 from collections import deque
+from dataclasses import dataclass
 
 from .pool import OutOfPages
+
+
+@dataclass
+class StatePass:
+    """The states a pass in flight writes for one sequence: `dst` after its rows, `saves` on the
+    way (length -> slot); `rewound`: (start, rows) its explicit slots took back from the sequence."""
+
+    dst: int | None
+    saves: dict[int, int]
+    rewound: tuple[int, list[int | None]] | None = None
+
+    def slots(self) -> list[int]:
+        return ([] if self.dst is None else [self.dst]) + list(self.saves.values())
 
 
 class OutOfStates(OutOfPages):

@@ -16,9 +16,15 @@ A model with recurrent layers (linear attention) also keeps a fixed-size state p
 slot of the store's `StatePool` (states.py): a store made with `num_states` gives each sequence one.
 A pass reads the sequence's state slot and writes the state after its rows into a new slot
 (`advance_state`), which becomes the sequence's at `commit`, or goes back at `rollback`. A state
-holds every written row, so such a sequence takes rows only in order: no gaps, no rewriting of
-unfrozen rows, no cutting back; `fork` copies the state (the copy is queued for the engine,
-`take_state_copies`); the prefix index is not used for it (its pages alone do not give the state).
+holds every row written before it, so such a sequence takes rows in order, without gaps, and goes
+back (`cut`, `truncate`, explicit slots that rewrite unfrozen rows) only to a length where it keeps
+a checkpoint: a state saved on the way, in a slot of its own. A pass keeps one at each row boundary
+it leaves unfrozen (explicit geometry: what a speculative pass may roll back to) and at the lengths
+it is asked to (`Lane.checkpoints`, `fwd.checkpoints`); a run-ahead pins the length before each of
+its runs (`pin`) until the run is read. Checkpoints below the frozen prefix go once nothing pins
+them. `fork` copies the state at the frozen length (the copy is queued for the engine,
+`take_state_copies`). The prefix index is not used for such a sequence: its pages alone do not
+give the state.
 """
 
 import itertools
@@ -29,7 +35,7 @@ from typing import NamedTuple
 
 from .pool import Evicted, InvalidSlot, KVStoreError, OutOfPages, PagePool, QuotaExceeded, UnknownSequence
 from .prefix import ROOT, chain_key
-from .states import StatePool
+from .states import StatePass, StatePool
 
 
 @dataclass
@@ -58,7 +64,9 @@ class _Seq:
     root: int = ROOT  # its partition's root: the parent key of its first page (prefix.py)
     counted: bool = True  # its pages count against its partition's bound (saved sets' do not)
     state: int | None = None  # its recurrent state's slot (None: no rows yet, the zero state)
-    next_state: int | None = None  # the slot a pass in flight writes its next state into
+    checkpoints: dict[int, int | None] = field(default_factory=dict)  # length -> state slot there
+    pins: Counter[int] = field(default_factory=Counter)  # lengths a run-ahead may cut back to
+    pending: StatePass | None = None  # the states a pass in flight writes
 
     @property
     def length(self) -> int:
@@ -125,10 +133,8 @@ class KVStore:
         shared = s.pages[:full]
         if counted:
             self._check_bound(seq, s.root, 1 if tail else 0, shared)   # a saved set's pages are new to it
-        if self._states is not None and s.folded != s.length:
-            raise InvalidSlot(f"sequence {seq}: its recurrent state holds {s.length} rows, "
-                              f"a fork takes the {s.folded} frozen ones")
-        state = self._states.allocate() if self._states is not None and s.state is not None else None
+        source = self._state_at(seq, s, s.folded)
+        state = self._states.allocate() if source is not None else None
         try:
             copy = self._allocate(1 if tail else 0)  # before any incref: OutOfPages changes nothing
         except OutOfPages:
@@ -136,7 +142,7 @@ class KVStore:
                 self._states.release(state)
             raise
         if state is not None:
-            self.state_copies.append((s.state, state))
+            self.state_copies.append((source, state))
         for page in shared:
             self._pool.incref(page)
         child = next(self._ids)
@@ -233,9 +239,8 @@ class KVStore:
         s = self._get(seq)
         if len(local_slots) != len(tokens):
             raise InvalidSlot(f"sequence {seq}: {len(local_slots)} slots for {len(tokens)} tokens")
-        if self._states is not None and list(local_slots) != list(range(s.length, s.length + len(tokens))):
-            raise InvalidSlot(f"sequence {seq}: its recurrent state takes rows only in order, at slots "
-                              f"{s.length}.. (asked for {list(local_slots)[:8]})")
+        if self._states is not None:
+            self._rewind_for(seq, s, list(local_slots))
         capacity = len(s.pages) * self.page_size
         for slot in local_slots:
             if slot < s.folded:
@@ -255,9 +260,8 @@ class KVStore:
         """Called after the engine wrote the KV. Freeze up to fold_to if given (folded only grows,
         so a smaller fold_to is a no-op), then index every full page that is now entirely frozen."""
         s = self._get(seq)
-        if s.next_state is not None:
-            self._states.release(s.state)
-            s.state, s.next_state = s.next_state, None
+        if s.pending is not None:
+            self._take_pass_states(s)
         if fold_to is not None:
             if fold_to > s.length:
                 raise InvalidSlot(f"sequence {seq}: cannot fold to {fold_to}, only {s.length} slots written")
@@ -274,6 +278,8 @@ class KVStore:
             key = chain_key(s.keys[-1] if s.keys else s.root, page_tokens)
             self._pool.register(s.pages[i], key)
             s.keys.append(key)
+        if self._states is not None:
+            self._prune_checkpoints(s)
 
     def truncate(self, seq: int, length: int) -> None:
         """Roll back uncommitted rows to ``length`` (folded <= length <= current length). Pages
@@ -283,7 +289,8 @@ class KVStore:
             raise InvalidSlot(
                 f"sequence {seq}: cannot truncate to {length}, must be in [folded={s.folded}, length={s.length}]"
             )
-        self._check_state_kept(seq, s, length)
+        if self._states is not None:
+            self._restore_state(seq, s, length)
         self._drop(s, length)
 
     def _drop(self, s: _Seq, length: int) -> None:
@@ -301,7 +308,8 @@ class KVStore:
         s = self._get(seq)
         if not 0 <= length <= s.length:
             raise InvalidSlot(f"sequence {seq}: cannot cut to {length}, it has {s.length} slots")
-        self._check_state_kept(seq, s, length)
+        if self._states is not None:
+            self._state_at(seq, s, length)      # before any change: no checkpoint there, nothing done
         full, tail = divmod(length, self.page_size)
         copies = []
         if tail and (full < len(s.keys) or self._pool.refcount[s.pages[full]] > 1):
@@ -312,13 +320,10 @@ class KVStore:
         s.folded = min(s.folded, length)
         s.cached_tokens = min(s.cached_tokens, length)
         del s.keys[full:]
+        if self._states is not None:
+            self._restore_state(seq, s, length)
         self._drop(s, length)
         return copies
-
-    def _check_state_kept(self, seq: int, s: _Seq, length: int) -> None:
-        if self._states is not None and length != s.length:
-            raise InvalidSlot(f"sequence {seq}: its recurrent state holds {s.length} rows and cannot go "
-                              f"back to {length}")
 
     # -- eviction -------------------------------------------------------------------------------
 
@@ -380,9 +385,14 @@ class KVStore:
         (they were frozen at once, so `truncate` cannot remove them). Only valid before the next
         commit of the sequence, which is how the engine uses it: plan, fail, roll back."""
         s = self._get(mark.seq)
-        if s.next_state is not None:
-            self._states.release(s.next_state)
-            s.next_state = None
+        if s.pending is not None:
+            for slot in s.pending.slots():
+                self._states.release(slot)
+            if s.pending.rewound is not None:         # the rows its explicit slots took back
+                start, rows = s.pending.rewound
+                del s.tokens[start:]
+                s.tokens += rows
+            s.pending = None
         s.folded, s.cached_tokens = mark.folded, mark.cached_tokens
         del s.keys[mark.keys:]
         if not s.folded <= mark.length <= s.length:
@@ -391,17 +401,107 @@ class KVStore:
 
     # -- recurrent state ------------------------------------------------------------------------
 
-    def advance_state(self, seq: int) -> tuple[int, int] | None:
-        """For a pass appending rows to ``seq``: (the slot its state is read from, a new slot the
-        state after those rows is written to), or None when the store keeps no states. The new
-        slot becomes the sequence's at `commit`; `rollback` releases it."""
+    def advance_state(self, seq: int, start: int, keep: Iterable[int] = ()
+                      ) -> tuple[int, int, list[tuple[int, int]]] | None:
+        """For a pass writing rows [start, length) of ``seq`` (after `append` / `slots_for`): the
+        slot its state is read from, a new slot for the state after its rows, and [(rows, slot)]
+        for the states it keeps on the way, after `rows` of its rows, at the lengths `keep`; None
+        when the store keeps no states. The new slots become the sequence's at `commit`;
+        `rollback` releases them. All or nothing on OutOfStates."""
         if self._states is None:
             return None
         s = self._get(seq)
-        dst = self._states.allocate()
-        self._states.release(s.next_state)
-        s.next_state = dst
-        return (self._states.zero if s.state is None else s.state), dst
+        rewound = s.pending.rewound if s.pending is not None else None
+        src = s.checkpoints[rewound[0]] if rewound is not None else s.state
+        cuts = sorted({n for n in keep if start < n < s.length})
+        slots: list[int] = []
+        try:
+            for _ in range(len(cuts) + 1):
+                slots.append(self._states.allocate())
+        except OutOfPages:
+            for slot in slots:
+                self._states.release(slot)
+            raise
+        s.pending = StatePass(slots[-1], dict(zip(cuts, slots)), rewound)
+        return (self._states.zero if src is None else src), slots[-1], [(n - start, slot) for n, slot in zip(cuts, slots)]
+
+    def pin(self, seq: int) -> None:
+        """Keep the state at the sequence's length until `unpin`: a run-ahead may cut back to it."""
+        if self._states is not None:
+            s = self._get(seq)
+            s.pins[s.length] += 1
+            s.checkpoints[s.length] = s.state
+
+    def unpin(self, seq: int, length: int) -> None:
+        if self._states is None or seq not in self._seqs:
+            return                        # freed or evicted meanwhile: its states went with it
+        s = self._seqs[seq]
+        if s.pins[length] > 0:
+            s.pins[length] -= 1
+        if not s.pins[length]:
+            del s.pins[length]
+        self._prune_checkpoints(s)
+
+    def _state_at(self, seq: int, s: _Seq, length: int) -> int | None:
+        """The slot of the state after ``length`` rows (None: the zero state)."""
+        if length == s.length or self._states is None:
+            return s.state
+        if length not in s.checkpoints:
+            raise InvalidSlot(f"sequence {seq}: its recurrent state is kept at {s.length} rows and at "
+                              f"{sorted(s.checkpoints)}, not at {length}")
+        return s.checkpoints[length]
+
+    def _rewind_for(self, seq: int, s: _Seq, slots: list[int]) -> None:
+        """Explicit slots on a sequence with a recurrent state: in order from the length or from a
+        checkpoint, whose later rows they take back (restored if the pass fails)."""
+        start = slots[0] if slots else s.length
+        if slots != list(range(start, start + len(slots))):
+            raise InvalidSlot(f"sequence {seq}: its recurrent state takes rows only in order, "
+                              f"not at slots {slots[:8]}")
+        if start < s.folded:
+            raise InvalidSlot(f"sequence {seq}: slot {start} is frozen (folded={s.folded})")
+        self._state_at(seq, s, start)
+        if start < s.length:
+            s.pending = StatePass(None, {}, (start, s.tokens[start:]))
+            del s.tokens[start:]
+
+    def _take_pass_states(self, s: _Seq) -> None:
+        """The states a pass wrote become the sequence's; those past where it started, taken back."""
+        p, old = s.pending, s.state
+        s.pending = None
+        if p.rewound is not None:
+            start = p.rewound[0]
+            for n in [n for n in s.checkpoints if n > start]:
+                self._forget(s, s.checkpoints.pop(n))
+        s.state = p.dst
+        for n, slot in p.saves.items():
+            replaced = s.checkpoints.get(n)
+            s.checkpoints[n] = slot
+            self._forget(s, replaced)
+        self._forget(s, old)
+
+    def _restore_state(self, seq: int, s: _Seq, length: int) -> None:
+        """Before rows past ``length`` are dropped: the state there becomes the current one."""
+        old, s.state = s.state, self._state_at(seq, s, length)
+        for n in [n for n in s.checkpoints if n > length]:
+            self._forget(s, s.checkpoints.pop(n))
+        self._forget(s, old)
+
+    def _prune_checkpoints(self, s: _Seq) -> None:
+        """Checkpoints nothing may go back to any more: below the frozen prefix and not pinned."""
+        for n in [n for n in s.checkpoints if (n < s.folded and n not in s.pins) or n > s.length]:
+            self._forget(s, s.checkpoints.pop(n))
+
+    def _forget(self, s: _Seq, slot: int | None) -> None:
+        """Release ``slot`` unless the sequence still holds it."""
+        if slot is not None and slot not in self._state_slots(s):
+            self._states.release(slot)
+
+    @staticmethod
+    def _state_slots(s: _Seq) -> set[int]:
+        held = {s.state, *s.checkpoints.values(), *(s.pending.slots() if s.pending else ())}
+        held.discard(None)
+        return held
 
     def take_state_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) state-slot copies queued since the last call, for the next batch to run first."""
@@ -414,9 +514,11 @@ class KVStore:
 
     def _release_states(self, s: _Seq) -> None:
         if self._states is not None:
-            self._states.release(s.state)
-            self._states.release(s.next_state)
-            s.state = s.next_state = None
+            for slot in self._state_slots(s):
+                self._states.release(slot)
+            s.state, s.pending = None, None
+            s.checkpoints.clear()
+            s.pins.clear()
 
     # -- queries --------------------------------------------------------------------------------
 
@@ -513,7 +615,7 @@ class KVStore:
         self._pool.check(Counter(page for s in self._seqs.values() for page in s.pages))
         if self._states is not None:
             every = list(self._seqs.values()) + [s for s, _ in self._evicted.values()]
-            self._states.check([slot for s in every for slot in (s.state, s.next_state) if slot is not None])
+            self._states.check([slot for s in every for slot in self._state_slots(s)])
             for seq, s in self._seqs.items():
                 if (s.state is None) != (s.length == 0):
                     raise AssertionError(f"sequence {seq}: {s.length} rows but state slot {s.state}")

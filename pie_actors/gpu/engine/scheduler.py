@@ -90,6 +90,9 @@ class Lane:
     mask: list[list[bool]] | None = None
     fold: bool | int = True
     readout: list[int] | None = None      # rows of this lane whose logits reach the epilogue; default: last
+    # a model with recurrent layers: lengths (slots) at which the pass keeps the recurrent state, for
+    # a later cut back to them (fwd.checkpoints); explicit slots keep one at each unfrozen row anyway
+    checkpoints: list[int] | None = None
     tokens_from: int | None = None        # a channel: `tokens` are taken from it when the pass is planned
 
 
@@ -340,6 +343,9 @@ class Scheduler:
     def fail(self, req: PassRequest, error: Exception) -> None:
         """The pass failed: its channels are poisoned, so whoever waits on them hears of it."""
         self.channels.poison(req.channels, f"{type(error).__name__}: {error}")
+        if req.repeat is not None:
+            self._unpin(req.repeat.lengths)
+            req.repeat.lengths.clear()
         if not req.future.done():
             req.future.set_exception(error)
 
@@ -362,6 +368,8 @@ class Scheduler:
             raise PassError("two lanes of one pass update the same sequence")
         if req.repeat is not None:
             req.repeat.lengths.append({lane.seq: self.kv.length(lane.seq) for lane in req.lanes})
+            for lane in req.lanes:        # a recurrent state is kept there, for a cut back on stop
+                self.kv.pin(lane.seq)
             req.repeat.channels.append(self.channels.snapshot(req.channels))
         if req.prologue is not None:
             req.prologue()
@@ -434,7 +442,15 @@ class Scheduler:
                             f"and stay within the sequence's {length} slots")
         if lane.mask is not None and (len(lane.mask) != n or any(len(r) != kv_len for r in lane.mask)):
             raise PassError(f"sequence {seq}: mask must be {n} rows x {kv_len} slots")
-        state = kv.advance_state(seq)     # the model's recurrent layers read and write it in order
+        fold = length if lane.fold is True else (None if lane.fold is False else lane.fold)
+        first = length - n + skip if lane.slots is None else lane.slots[0]    # the slot of its first row
+        keep = list(lane.checkpoints or ())
+        if any(not first <= c <= length for c in keep):
+            bad = next(c for c in keep if not first <= c <= length)
+            raise PassError(f"sequence {seq}: checkpoint slot {bad} is outside the pass's slots [{first}, {length}]")
+        if lane.slots is not None:        # what a later pass may rewrite from: each unfrozen row
+            keep += range(first + 1 if fold is None else max(fold, first + 1), length)
+        state = kv.advance_state(seq, first, keep)   # the recurrent layers read and write it in order
         if state is not None:
             if lane.mask is not None or kv_len != length:
                 raise PassError(f"sequence {seq}: the model's recurrent layers see every row before "
@@ -449,7 +465,6 @@ class Scheduler:
             plan.readout.append(start + n - 1 - skip)
         else:
             plan.readout += [start + r - skip for r in lane.readout]
-        fold = length if lane.fold is True else (None if lane.fold is False else lane.fold)
         return seq, fold
 
     # ---- repeating passes (run-ahead) --------------------------------------------------------
@@ -470,6 +485,7 @@ class Scheduler:
         r = req.repeat
         r.acked = max(r.acked, min(read, r.runs))
         # runs the client has read are never cut: forget their before-states
+        self._unpin(r.lengths[:r.acked - r.first])
         del r.lengths[:r.acked - r.first], r.channels[:r.acked - r.first]
         r.first = r.acked
         if r.parked and r.runs - r.acked < r.window:
@@ -502,10 +518,18 @@ class Scheduler:
                 for seq, length in r.lengths[kept - r.first].items():
                     self.copies.extend(self.kv.cut(seq, length))
             except KVStoreError as e:     # the sequence was freed meanwhile
+                self._unpin(r.lengths)
                 req.future.set_exception(e)
                 return
             self.channels.restore(r.channels[kept - r.first])
+        self._unpin(r.lengths)
         req.future.set_result(kept)
+
+    def _unpin(self, lengths: list[dict[int, int]]) -> None:
+        """A run-ahead no longer cuts back to these lengths (`KVStore.pin`)."""
+        for before in lengths:
+            for seq, length in before.items():
+                self.kv.unpin(seq, length)
 
 
 def _round_robin(queues: list[deque[PassRequest]], per_queue: int) -> Iterator[PassRequest]:

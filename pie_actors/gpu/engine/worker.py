@@ -35,9 +35,9 @@ class BatchPlan:
     lanes: list[LanePlan]
     readout: list[int]                     # batch rows whose logits are returned
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) pages to copy first
-    # A model with recurrent layers: each lane's (state slot read, state slot written), and the
-    # (src, dst) state slots to copy first
-    states: list[tuple[int, int]] = field(default_factory=list)
+    # A model with recurrent layers: each lane's (state slot read, state slot written, [(rows, slot)]
+    # for states kept after its first rows), and the (src, dst) state slots to copy first
+    states: list[tuple[int, int, list[tuple[int, int]]]] = field(default_factory=list)
     state_copies: list[tuple[int, int]] = field(default_factory=list)
     adapters: list[AdapterUse] = field(default_factory=list)      # (tensor-parallel size 1 only)
 

@@ -37,9 +37,8 @@ CHUNK = 64                                 # rows per chunk of the chunked delta
 @dataclass
 class _Prefill:
     start: int
-    end: int
     src: int
-    dst: int
+    segments: list[tuple[int, int]]      # (end row, slot its state is written to), in order
 
 
 @dataclass
@@ -53,16 +52,18 @@ class RecurrentMetadata:
     prefills: list[_Prefill] = field(default_factory=list)
 
     @classmethod
-    def build(cls, lanes: list[LanePlan], states: list[tuple[int, int]], device: torch.device
-              ) -> "RecurrentMetadata":
-        """`states[i]`: lane i's (slot read, slot written)."""
+    def build(cls, lanes: list[LanePlan], states: list[tuple[int, int, list[tuple[int, int]]]],
+              device: torch.device) -> "RecurrentMetadata":
+        """`states[i]`: lane i's (slot read, slot written after its rows, [(rows, slot)] for the
+        states it keeps after its first `rows` rows)."""
         meta = cls()
-        decode = [(lane.q_start, src, dst) for lane, (src, dst) in zip(lanes, states) if lane.q_len == 1]
+        decode = [(lane.q_start, src, dst) for lane, (src, dst, _) in zip(lanes, states) if lane.q_len == 1]
         if decode:
             rows, src, dst = (torch.tensor(col, dtype=torch.long, device=device) for col in zip(*decode))
             meta.decode_rows, meta.decode_src, meta.decode_dst = rows, src, dst
-        meta.prefills = [_Prefill(lane.q_start, lane.q_start + lane.q_len, src, dst)
-                         for lane, (src, dst) in zip(lanes, states) if lane.q_len > 1]
+        meta.prefills = [_Prefill(lane.q_start, src,
+                                  [(lane.q_start + n, slot) for n, slot in saves] + [(lane.q_start + lane.q_len, dst)])
+                         for lane, (src, dst, saves) in zip(lanes, states) if lane.q_len > 1]
         return meta
 
 
@@ -189,14 +190,17 @@ class GatedDeltaNet(nn.Module):
             q, k, v = self._heads(F.silu((window * weight).sum(-1)))
             o, ssm_state[dst] = delta_rule_step(q, k, v, g[rows], beta[rows], ssm_state[src])
             out[rows] = o
-        for p in meta.prefills:
-            inputs = torch.cat((conv_state[p.src], mixed[p.start:p.end].T), dim=-1)    # [channels, K - 1 + L]
-            conv_state[p.dst] = inputs[:, inputs.shape[1] - conv_state.shape[-1]:]
-            convolved = F.conv1d(inputs.unsqueeze(0), weight.unsqueeze(1), groups=weight.shape[0])[0]
-            q, k, v = (t.transpose(0, 1) for t in self._heads(F.silu(convolved.T)))    # [H, L, D]
-            rows = slice(p.start, p.end)
-            o, ssm_state[p.dst] = delta_rule_chunked(q, k, v, g[rows].T, beta[rows].T, ssm_state[p.src])
-            out[rows] = o.transpose(0, 1)
+        for p in meta.prefills:           # segment by segment: each ends in a state it keeps
+            src, start = p.src, p.start
+            for end, dst in p.segments:
+                inputs = torch.cat((conv_state[src], mixed[start:end].T), dim=-1)     # [channels, K - 1 + L]
+                conv_state[dst] = inputs[:, inputs.shape[1] - conv_state.shape[-1]:]
+                convolved = F.conv1d(inputs.unsqueeze(0), weight.unsqueeze(1), groups=weight.shape[0])[0]
+                q, k, v = (t.transpose(0, 1) for t in self._heads(F.silu(convolved.T)))  # [H, L, D]
+                rows = slice(start, end)
+                o, ssm_state[dst] = delta_rule_chunked(q, k, v, g[rows].T, beta[rows].T, ssm_state[src])
+                out[rows] = o.transpose(0, 1)
+                src, start = dst, end
         z = self.in_proj_z(x).view(-1, self.hv, self.dv)
         return self.out_proj(self.norm(out.to(x.dtype), z).flatten(1))
 
