@@ -31,7 +31,8 @@ Requests (client -> server). Each may carry an "id" (any scalar), repeated in it
     {"type": "delete_saved", "name": N}                        -> {"type": "ok"}   (its pages return)
 
 P is {"source": TEXT} (a .py file; a .js file's adds "language": "javascript") or {"bundle":
-{RELATIVE PATH: TEXT}} (a folder's .py files, main.py among them); H is `program_hash(P)`: the
+{RELATIVE PATH: TEXT}} (a folder's .py files, main.py among them; a JavaScript bundle's .js files
+add "language": "javascript" and "entry": the path of the module that runs); H is `program_hash(P)`: the
 server keeps a key's recent uploads by hash, so a client launches a program it sent before without
 sending it again ("not_found": upload it). Only "input" and "hash" are needed in a launch: "files"
 are what `session.file(NAME)` reads, "name" the name the key's other inferlets `session.send_to`,
@@ -141,9 +142,10 @@ def binary(value: Any, what: str) -> bytes:
 
 def program_payload(program: Program) -> dict[str, Any]:
     """What an upload carries of `program`."""
+    language = {"language": program.language} if program.language != "python" else {}
     if program.bundle is not None:
-        return {"bundle": program.bundle}
-    return {"source": program.source, **({"language": program.language} if program.language != "python" else {})}
+        return {"bundle": program.bundle, **language, **({"entry": program.entry} if program.entry else {})}
+    return {"source": program.source, **language}
 
 
 def program_of(payload: Any) -> Program:
@@ -151,17 +153,33 @@ def program_of(payload: Any) -> Program:
     if (isinstance(payload, dict) and set(payload) - {"language"} == {"source"} and isinstance(payload["source"], str)
             and payload.get("language", "python") in ("python", "javascript")):
         return Program(source=payload["source"], language=payload.get("language", "python"))
-    if isinstance(payload, dict) and set(payload) == {"bundle"} and isinstance(payload["bundle"], dict):
-        files = payload["bundle"]
-        for path, text in files.items():
-            parts = PurePosixPath(path).parts if isinstance(path, str) else ()
-            if not (parts and path.endswith(".py") and isinstance(text, str)) or path.startswith("/") or ".." in parts:
-                raise RequestError("bad_frame", f"bundle file {path!r}: a bundle maps relative .py paths to text")
+    if (isinstance(payload, dict) and "bundle" in payload and set(payload) <= {"bundle", "language", "entry"}
+            and isinstance(payload["bundle"], dict)):
+        return _bundle_of(payload["bundle"], payload.get("language", "python"), payload.get("entry"))
+    raise RequestError("bad_frame", 'program must be {"source": TEXT, "language"?: "python" | "javascript"} '
+                                    'or {"bundle": {PATH: TEXT}, "language"?: ..., "entry"?: PATH (JavaScript)}')
+
+
+def _bundle_of(files: dict, language: Any, entry: Any) -> Program:
+    """A bundle's files, checked: relative paths of its language's modules (.py: main.py runs;
+    .js: `entry` runs)."""
+    suffix = {"python": ".py", "javascript": ".js"}.get(language) if isinstance(language, str) else None
+    if suffix is None:
+        raise RequestError("bad_frame", f'bundle language {language!r}: "python" or "javascript"')
+    for path, text in files.items():
+        parts = PurePosixPath(path).parts if isinstance(path, str) else ()
+        if not (parts and path.endswith(suffix) and isinstance(text, str)) or path.startswith("/") or ".." in parts:
+            raise RequestError("bad_frame", f"bundle file {path!r}: a {language} bundle maps relative {suffix} "
+                                            "paths to text")
+    if language == "python":
+        if entry is not None:
+            raise RequestError("bad_frame", "a Python bundle runs its main.py: it takes no entry")
         if "main.py" not in files:
             raise RequestError("bad_frame", "a bundle needs a main.py")
         return Program(bundle=dict(files))
-    raise RequestError("bad_frame", 'program must be {"source": TEXT, "language"?: "python" | "javascript"} '
-                                    'or {"bundle": {PATH: TEXT}}')
+    if entry not in files:
+        raise RequestError("bad_frame", f"a JavaScript bundle's entry must be one of its files, got {entry!r}")
+    return Program(bundle=dict(files), language="javascript", entry=entry)
 
 
 def program_hash(program: Program) -> str:

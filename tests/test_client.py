@@ -104,6 +104,21 @@ def test_files_travel_both_ways_and_failures_raise_as_from_the_launch_api(server
         assert client.ps() == []
 
 
+def test_a_javascript_bundle_travels_with_its_modules_and_its_entry(server, tmp_path):
+    """A JavaScript bundle folder through the WebSocket: its modules, and the entry package.json names."""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "greeting.js").write_text("export const greet = (name) => `hello ${name}`;\n")
+    (tmp_path / "app.js").write_text("import { model } from 'inferlet';\nimport { greet } from './lib/greeting.js';\n\n"
+                                     "export async function main(input) {\n"
+                                     "  return { greeting: greet(input.name), model: model.name() };\n}\n")
+    (tmp_path / "package.json").write_text('{"name": "greeter", "version": "0.1.0", "main": "app.js"}')
+    with Client(server.url, KEY) as client:
+        out = client.submit(tmp_path, {"name": "pie"}).result(120)
+        name = client.submit("from inferlet import model\n\nasync def main(input):\n"
+                             "    return model.name()\n").result(120)
+    assert out == {"greeting": "hello pie", "model": name}
+
+
 SAVER = """
 from inferlet import model
 from inferlet.eta import ForwardPass, Pipeline, WorkingSet

@@ -18,6 +18,8 @@ import httpx
 import pytest
 
 from pie_actors.client import Client
+from pie_actors.process import Send
+from pie_actors.program import Program
 from serve_helpers import KEY, idle, start
 
 playwright = pytest.importorskip("playwright.sync_api", reason="pip install -e '.[test]' brings playwright")
@@ -189,9 +191,6 @@ def wait_for(predicate, timeout: float = 120.0) -> None:
 
 def reference(server, program: str, input: dict) -> tuple[str, dict]:
     """The streamed text and result of `program` launched on the server's runtime directly."""
-    from pie_actors.process import Send
-    from pie_actors.program import Program
-
     process = server.runtime.launch(Program(source=program), input)
     text = "".join(e.text for e in process.events() if isinstance(e, Send))
     return text, process.result()
@@ -219,6 +218,33 @@ def test_the_quickstart_streams_paris_then_its_result(tab, server):
     assert len(streaming) >= 3 and streaming[-1] == text          # piece by piece, then the result
     assert any("Paris" not in s for s in streaming) and "Paris" in streaming[-1]
     assert page.locator("#output").get_attribute("aria-live") == "polite"
+    assert idle(server)["kv"]["referenced"] == 0
+
+
+def test_javascript_examples_run_from_the_page_a_file_and_a_bundle(tab, server):
+    """The JavaScript quickstart gives the Python quickstart's text; the JavaScript debate, a bundle
+    whose judge spawns a module of its own, gives what the same bundle gives launched directly."""
+    page = tab.page
+    page.get_by_label("Example").select_option("js/quickstart")
+    page.get_by_role("textbox", name="question").fill(QUESTION)
+    page.get_by_role("button", name="Run").click()
+    tab.wait_output("Done")
+    quickstart = (ROOT / "examples" / "quickstart" / "main.py").read_text()
+    text, result = reference(server, quickstart, {"question": QUESTION})
+    assert tab.output() == text + "Done\n" + json.dumps(result, indent=2)
+
+    page.get_by_label("Example").select_option("js/debate")
+    page.get_by_role("textbox", name="rounds").fill("1")
+    page.get_by_role("textbox", name="max_tokens").fill("4")
+    page.get_by_role("button", name="Run").click()
+    tab.wait_output("Done")
+    debate = server.runtime.launch(Program.load(ROOT / "examples" / "js" / "debate"), {"rounds": 1, "max_tokens": 4})
+    sent = [json.loads(e.text) for e in debate.events() if isinstance(e, Send)]
+    want = debate.result()
+    shown, _, result = tab.output().partition("Done\n")
+    got = json.loads(result)        # the agents' names differ: each run's processes are named anew
+    assert json.loads(shown) == sent[0] and len(sent) == 1
+    assert (got["transcript"], got["verdict"]) == (want["transcript"], want["verdict"])
     assert idle(server)["kv"]["referenced"] == 0
 
 

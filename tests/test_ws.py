@@ -196,6 +196,12 @@ BAD_FRAMES = [
     ('{"type": "launch", "hash": "x", "files": {"f": "not base64!"}, "id": 12}', "bad_frame"),
     ('{"type": "upload", "program": {"bundle": {"../main.py": "x"}}, "id": 13}', "bad_frame"),
     ('{"type": "upload", "program": {"bundle": {"helper.py": "x"}}, "id": 14}', "bad_frame"),
+    ('{"type": "upload", "program": {"bundle": {"main.py": "x"}, "language": "javascript", "entry": "main.py"}, '
+     '"id": 17}', "bad_frame"),                                      # a JavaScript bundle of .py files
+    ('{"type": "upload", "program": {"bundle": {"a.js": "x"}, "language": "javascript", "entry": "b.js"}, "id": 18}',
+     "bad_frame"),                                                   # an entry it does not hold
+    ('{"type": "upload", "program": {"bundle": {"main.py": "x"}, "entry": "main.py"}, "id": 19}', "bad_frame"),
+    ('{"type": "upload", "program": {"bundle": {"main.rb": "x"}, "language": "ruby"}, "id": 20}', "bad_frame"),
     ('{"type": "launch", "hash": "0123", "id": 15}', "not_found"),
     ('{"type": "auth", "key": "' + KEY + '", "id": 16}', "invalid_request"),   # it has its key
 ]

@@ -198,8 +198,11 @@ function collectInputs() {
 function programPayload() {
   keepEditorText();
   const { files, main } = state.program;
-  if (Object.keys(files).length > 1) return { bundle: { ...files } };      // the server says what it takes
-  return languageOf(main) === "javascript" ? { source: files[main], language: "javascript" } : { source: files[main] };
+  const javascript = languageOf(main) === "javascript";
+  if (Object.keys(files).length > 1) {     // a bundle: the entry module runs (main.py for Python)
+    return javascript ? { bundle: { ...files }, language: "javascript", entry: main } : { bundle: { ...files } };
+  }
+  return javascript ? { source: files[main], language: "javascript" } : { source: files[main] };
 }
 
 $("example").addEventListener("change", () => {
