@@ -87,7 +87,7 @@ def test_fork_of_unfrozen_rows_is_refused(folder):
         seq = engine.create_sequence()
         engine.submit(PassRequest([Lane(seq, PROMPT, fold=False)], _greedy))
         engine.run_until_idle()
-        with pytest.raises(InvalidSlot, match=r"state is kept at 33 rows and at \[\], not at 0"):
+        with pytest.raises(InvalidSlot, match=r"state is kept at 33 rows and at \[16, 32\], not at 0"):
             engine.fork(seq)
         engine.free(seq)
         _all_back(engine)
@@ -121,3 +121,26 @@ def test_saved_set_opens_with_its_state(folder, expected, restored):
         _all_back(engine)
     finally:
         engine.close()
+
+
+def test_prefix_reuse_starts_from_the_snapshot_at_a_page_boundary(folder):
+    """A prompt sharing two pages with an earlier one reuses them and the recurrent state there
+    (`cached_tokens` 32) and gives transformers' tokens, as a run without the prefix cache does."""
+    import transformers
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    shared = [(7 * i + 2) % 512 for i in range(40)]
+    first, second = shared + [5] * 10, shared + [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 1, 2]
+    expected = hf_greedy(reference, second, 6)[0]
+    for prefix_cache in (True, False):
+        engine = make_engine(folder, num_pages=32, prefix_cache=prefix_cache)
+        try:
+            engine.generate([first], 2, ignore_eos=True)
+            seq = engine.create_sequence()
+            [out] = _decode(engine, [seq], [second], 6)
+            assert engine.seq_state(seq)["cached_tokens"] == (32 if prefix_cache else 0)
+            assert out == expected
+            engine.free(seq)
+            _all_back(engine)
+            assert (engine.kv.state_stats()["snapshots"] > 0) == prefix_cache
+        finally:
+            engine.close()

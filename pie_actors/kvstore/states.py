@@ -21,9 +21,10 @@ class StatePass:
     dst: int | None
     saves: dict[int, int]
     rewound: tuple[int, list[int | None]] | None = None
+    src: int | None = None        # a prefix hit's snapshot, copied for this pass to read
 
     def slots(self) -> list[int]:
-        return ([] if self.dst is None else [self.dst]) + list(self.saves.values())
+        return [slot for slot in (self.dst, self.src) if slot is not None] + list(self.saves.values())
 
 
 class OutOfStates(OutOfPages):

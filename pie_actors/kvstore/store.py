@@ -23,19 +23,26 @@ it leaves unfrozen (explicit geometry: what a speculative pass may roll back to)
 it is asked to (`Lane.checkpoints`, `fwd.checkpoints`); a run-ahead pins the length before each of
 its runs (`pin`) until the run is read. Checkpoints below the frozen prefix go once nothing pins
 them. `fork` copies the state at the frozen length (the copy is queued for the engine,
-`take_state_copies`). The prefix index is not used for such a sequence: its pages alone do not
-give the state.
+`take_state_copies`).
+
+Prefix reuse for such sequences needs the state at the end of the reused pages as well: a canonical
+pass keeps the state at each page boundary it crosses (the first `SNAPSHOTS_PER_PASS` of them), and
+the commit that indexes the page there keeps that state as the page's snapshot, by chain key. A
+later append reuses the deepest indexed page that has one, reading a copy of it. Snapshots are a
+cache: least recently used first, they give their slots back when the state slots run out.
 """
 
 import itertools
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .pool import Evicted, InvalidSlot, KVStoreError, OutOfPages, PagePool, QuotaExceeded, UnknownSequence
 from .prefix import ROOT, chain_key
-from .states import StatePass, StatePool
+from .states import OutOfStates, StatePass, StatePool
+
+SNAPSHOTS_PER_PASS = 8        # page boundaries a pass keeps the recurrent state at, for prefix reuse
 
 
 @dataclass
@@ -92,6 +99,7 @@ class KVStore:
         self._bounds: dict[int, int] = {}  # partition root -> pages its counted sequences may hold
         self._states = StatePool(num_states) if num_states else None
         self.state_copies: list[tuple[int, int]] = []  # (src, dst) state slots for the engine to copy
+        self._snapshots: OrderedDict[int, int] = OrderedDict()  # chain key -> state slot, LRU first
 
     @property
     def keeps_state(self) -> bool:
@@ -134,7 +142,7 @@ class KVStore:
         if counted:
             self._check_bound(seq, s.root, 1 if tail else 0, shared)   # a saved set's pages are new to it
         source = self._state_at(seq, s, s.folded)
-        state = self._states.allocate() if source is not None else None
+        state = self._allocate_state() if source is not None else None
         try:
             copy = self._allocate(1 if tail else 0)  # before any incref: OutOfPages changes nothing
         except OutOfPages:
@@ -186,11 +194,14 @@ class KVStore:
                 available = self._pool.available() - sum(self._pool.is_cached(page) for page, _ in hits)
             if need > available:
                 raise OutOfPages(f"sequence {seq}: need {need} new pages, {available} available")
+            src = self._copy_snapshot(hits[-1][1]) if hits and self._states is not None else None
             for page, key in hits:
                 self._pool.incref(page)
                 s.pages.append(page)
                 s.keys.append(key)
             s.pages += self._pool.allocate(need)
+            if src is not None:
+                s.pending = StatePass(None, {}, src=src)
         reused = len(hits) * ps
         start += reused
         s.tokens += tokens
@@ -205,8 +216,7 @@ class KVStore:
         ps = self.page_size
         # Reuse needs the chain key of s's last page (canonical and fully frozen) and a page
         # boundary with no reserved pages past it, where the attached pages go.
-        if not (self.prefix_cache and s.canonical and s.folded == s.length == len(s.pages) * ps
-                and self._states is None):
+        if not (self.prefix_cache and s.canonical and s.folded == s.length == len(s.pages) * ps):
             return []
         parent = s.keys[-1] if s.keys else s.root
         hits = []
@@ -218,6 +228,9 @@ class KVStore:
                 break
             hits.append((page, key))
             parent = key
+        if self._states is not None:      # the state after the reused pages must be known too
+            while hits and hits[-1][1] not in self._snapshots:
+                hits.pop()
         return hits
 
     def reserve(self, seq: int, end: int) -> None:
@@ -278,6 +291,8 @@ class KVStore:
             key = chain_key(s.keys[-1] if s.keys else s.root, page_tokens)
             self._pool.register(s.pages[i], key)
             s.keys.append(key)
+            if self._states is not None:
+                self._snapshot(s, (i + 1) * ps, key)
         if self._states is not None:
             self._prune_checkpoints(s)
 
@@ -412,18 +427,20 @@ class KVStore:
             return None
         s = self._get(seq)
         rewound = s.pending.rewound if s.pending is not None else None
-        src = s.checkpoints[rewound[0]] if rewound is not None else s.state
+        hit = s.pending.src if s.pending is not None else None
+        src = hit if hit is not None else s.checkpoints[rewound[0]] if rewound is not None else s.state
         cuts = sorted({n for n in keep if start < n < s.length})
         slots: list[int] = []
         try:
             for _ in range(len(cuts) + 1):
-                slots.append(self._states.allocate())
+                slots.append(self._allocate_state())
         except OutOfPages:
             for slot in slots:
                 self._states.release(slot)
             raise
-        s.pending = StatePass(slots[-1], dict(zip(cuts, slots)), rewound)
-        return (self._states.zero if src is None else src), slots[-1], [(n - start, slot) for n, slot in zip(cuts, slots)]
+        s.pending = StatePass(slots[-1], dict(zip(cuts, slots)), rewound, hit)
+        saves = [(n - start, slot) for n, slot in zip(cuts, slots)]
+        return (self._states.zero if src is None else src), slots[-1], saves
 
     def pin(self, seq: int) -> None:
         """Keep the state at the sequence's length until `unpin`: a run-ahead may cut back to it."""
@@ -465,10 +482,52 @@ class KVStore:
             s.pending = StatePass(None, {}, (start, s.tokens[start:]))
             del s.tokens[start:]
 
+    def snapshot_lengths(self, seq: int, first: int, end: int) -> list[int]:
+        """The page boundaries in (first, end) where a canonical pass writing rows [first, end) of
+        ``seq`` keeps the recurrent state, for prefix reuse (none when nothing is reused)."""
+        if self._states is None or not self.prefix_cache or not self._get(seq).canonical:
+            return []
+        ps = self.page_size
+        return list(range((first // ps + 1) * ps, end, ps))[:SNAPSHOTS_PER_PASS]
+
+    def _snapshot(self, s: _Seq, length: int, key: int) -> None:
+        """Keep the state after ``length`` rows as the snapshot of the page indexed under ``key``:
+        the checkpoint the pass kept there, or a copy of the current state."""
+        if key in self._snapshots:
+            self._snapshots.move_to_end(key)
+            return
+        if length in s.checkpoints and length not in s.pins and s.checkpoints[length] != s.state:
+            self._snapshots[key] = s.checkpoints.pop(length)
+        elif length == s.length and s.state is not None:
+            try:
+                slot = self._allocate_state()
+            except OutOfStates:
+                return                     # no room: that prefix is just not reusable
+            self.state_copies.append((s.state, slot))
+            self._snapshots[key] = slot
+
+    def _copy_snapshot(self, key: int) -> int:
+        """A copy of the snapshot of ``key``, for a pass that reuses the pages up to it to read."""
+        self._snapshots.move_to_end(key)
+        slot = self._allocate_state(keep=key)
+        self.state_copies.append((self._snapshots[key], slot))
+        return slot
+
+    def _allocate_state(self, keep: int | None = None) -> int:
+        """A state slot; when none is free, the least recently used snapshot (not ``keep``'s) gives its own."""
+        if not self._states.free:
+            for key in self._snapshots:
+                if key != keep:
+                    self._states.release(self._snapshots.pop(key))
+                    break
+        return self._states.allocate()
+
     def _take_pass_states(self, s: _Seq) -> None:
         """The states a pass wrote become the sequence's; those past where it started, taken back."""
         p, old = s.pending, s.state
         s.pending = None
+        if p.src is not None:             # the copy of a snapshot it read
+            self._states.release(p.src)
         if p.rewound is not None:
             start = p.rewound[0]
             for n in [n for n in s.checkpoints if n > start]:
@@ -509,8 +568,12 @@ class KVStore:
         return copies
 
     def state_stats(self) -> dict[str, int]:
-        """Recurrent-state slots: {"total", "free", "held"} (all 0 for a store that keeps none)."""
-        return self._states.stats() if self._states else {"total": 0, "free": 0, "held": 0}
+        """Recurrent-state slots: {"total", "free", "held" (by sequences), "snapshots" (for prefix
+        reuse)}; all 0 for a store that keeps none."""
+        if self._states is None:
+            return {"total": 0, "free": 0, "held": 0, "snapshots": 0}
+        stats = self._states.stats()
+        return {**stats, "held": stats["held"] - len(self._snapshots), "snapshots": len(self._snapshots)}
 
     def _release_states(self, s: _Seq) -> None:
         if self._states is not None:
@@ -615,7 +678,8 @@ class KVStore:
         self._pool.check(Counter(page for s in self._seqs.values() for page in s.pages))
         if self._states is not None:
             every = list(self._seqs.values()) + [s for s, _ in self._evicted.values()]
-            self._states.check([slot for s in every for slot in self._state_slots(s)])
+            self._states.check([slot for s in every for slot in self._state_slots(s)]
+                               + list(self._snapshots.values()))
             for seq, s in self._seqs.items():
                 if (s.state is None) != (s.length == 0):
                     raise AssertionError(f"sequence {seq}: {s.length} rows but state slot {s.state}")

@@ -298,7 +298,7 @@ class Scheduler:
         handled (planned or rejected)."""
         # The copies run first in this batch; they stay the pending ones while its passes are
         # planned, for an allocation that evicts a set to see those into its pages (saved.py).
-        plan = BatchPlan([], [], [], [], [], self.copies, state_copies=self.kv.take_state_copies())
+        plan = BatchPlan([], [], [], [], [], self.copies)
         planned: list[Planned] = []
         busy: set[int] = set()
         handled = 0
@@ -338,6 +338,7 @@ class Scheduler:
             if queue:
                 self.pending[owner] = queue
         self.copies = []
+        plan.state_copies = self.kv.take_state_copies()   # after planning: a prefix hit's copy too
         return planned, plan, handled
 
     def fail(self, req: PassRequest, error: Exception) -> None:
@@ -450,6 +451,8 @@ class Scheduler:
             raise PassError(f"sequence {seq}: checkpoint slot {bad} is outside the pass's slots [{first}, {length}]")
         if lane.slots is not None:        # what a later pass may rewrite from: each unfrozen row
             keep += range(first + 1 if fold is None else max(fold, first + 1), length)
+        elif canonical:                   # what a later request may start from (prefix reuse)
+            keep += kv.snapshot_lengths(seq, first, length)
         state = kv.advance_state(seq, first, keep)   # the recurrent layers read and write it in order
         if state is not None:
             if lane.mask is not None or kv_len != length:

@@ -9,7 +9,8 @@ convolution and the delta rule's [value heads, key dim, value dim] matrix.
 Those states live in one tensor pair per DeltaNet layer, indexed by state slot (the KV store hands
 slots out, kvstore/states.py). Each lane of a batch reads its state from one slot and writes the
 state after its rows into another (`RecurrentMetadata`), so a pass that fails leaves the state it
-read as it was. The last slot holds zeros: the state of an empty working set. Prefill runs the
+read as it was; where the store asks, it also writes the states after some of its rows (checkpoints
+for a rollback, snapshots at page boundaries for prefix reuse). The last slot holds zeros: the state of an empty working set. Prefill runs the
 chunked form of the gated delta rule, one lane at a time; decode lanes run the recurrent step
 together.
 
@@ -86,7 +87,9 @@ def recurrent_state_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def _conv_channels(cfg: ModelConfig) -> int:
-    return 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    """q, k and v side by side: what the short convolution runs over."""
+    keys = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    return 2 * keys + cfg.linear_num_value_heads * cfg.linear_value_head_dim
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,54 @@
+"""pie serve on a hybrid model: a small random Qwen3.5 folder (with the default model's tokenizer
+and chat template) answers the OpenAI and Anthropic APIs with the engine's greedy text, `n` forks of
+the prompt's working set (the recurrent state copied) included, and a repeated prompt reuses its
+cached prefix, recurrent state and all."""
+from __future__ import annotations
+
+import pytest
+
+from tests.engine_helpers import save_tiny_model
+from tests.serve_helpers import ASK, KEY, chat_prompt, greedy_tokens, reference_engine, start
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, default_model_dir):
+    from pie_actors.tokenizer import Tokenizer
+    folder = tmp_path_factory.mktemp("hybrid") / "tiny-qwen3_5"
+    save_tiny_model("qwen3_5", folder, vocab_size=Tokenizer.from_dir(default_model_dir).vocab_size)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((default_model_dir / name).read_bytes())
+    with start(folder, api_keys=(KEY,)) as s:
+        yield s
+
+
+def test_openai_n_forks_and_anthropic_give_the_greedy_text(server):
+    import anthropic
+    import openai
+    prompt = chat_prompt(server, ASK)
+    text = reference_engine(server).tokenizer.decode(greedy_tokens(server, prompt, 16))
+    assert text
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    reply = client.chat.completions.create(model="default", messages=ASK, temperature=0, max_tokens=16, n=2)
+    assert [c.message.content for c in reply.choices] == [text, text]
+    again = client.chat.completions.create(model="default", messages=ASK, temperature=0, max_tokens=16)
+    assert again.choices[0].message.content == text
+    assert again.usage.prompt_tokens_details.cached_tokens > 0        # prefix reuse, state snapshot included
+
+    claude = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+    message = claude.messages.create(model="default", max_tokens=16, messages=ASK, extra_body={"temperature": 0})
+    assert message.content[0].text == text
+
+
+def test_a_grammar_holds_on_a_hybrid_model(server):
+    import json
+
+    import openai
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+              "additionalProperties": False}
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    reply = client.chat.completions.create(
+        model="default", messages=ASK, temperature=0, max_tokens=64,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert reply.choices[0].finish_reason == "stop"
+    assert json.loads(reply.choices[0].message.content)["city"] in ("Paris", "Rome")
