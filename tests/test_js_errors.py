@@ -110,3 +110,13 @@ def test_an_import_over_several_lines_keeps_the_lines_where_they_were(runtime):
               "  if (c.stopTokens().length && model.encode('a').length) throw new Error('line 7');\n}\n")
     with pytest.raises(InferletError, match=r"Error: line 7 \(at main.js:7:\d+\)"):
         run(runtime, Program(source=source, language="javascript"), {})
+
+
+def test_a_program_that_waits_on_nothing_the_host_completes_is_told_so(runtime):
+    """A deadlock names itself, and only the program's frames (none of the runner's)."""
+    source = "export async function main(input) {\n  await new Promise(() => {});\n}\n"
+    with pytest.raises(InferletError) as err:
+        run(runtime, Program(source=source, language="javascript"), {})
+    assert err.value.message == ("Error: deadlock: every task of the inferlet is waiting, and not on anything "
+                                 "the host will complete")
+    assert err.value.guest_traceback == err.value.message

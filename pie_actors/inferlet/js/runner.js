@@ -111,6 +111,7 @@ function joinPath(importer, name) {
  * bundle's other modules beside it: {name: [path, isPackage, source]}). */
 function loadMain(source, bundle) {
   const files = new Map(Object.values(bundle).map(([path, , text]) => [path, text]));
+  programFiles = new Set(files.keys()).add(MAIN);
   let main = MAIN;
   if (source) files.set(MAIN, source);
   else if (bundle.main) [main] = bundle.main;
@@ -122,14 +123,17 @@ function loadMain(source, bundle) {
   return exports.main;
 }
 
-const FRAME_FILE = /([\w$.\/@-]+\.js):(\d+):(\d+)/;
+const FRAME_FILE = /@([^@]+\.js):(\d+):(\d+)$/;
+let programFiles = new Set();      // the files of the program this run loaded
 
 /** The frames of a stack that are the program's ("fn@file.js:line:column"), their columns on
- * line 1 put right; the SDK's own frames (in the runner component) are left out. */
+ * line 1 put right; the runner's and the SDK's own frames are left out. */
 function userFrames(stack) {
-  return String(stack ?? '').split('\n')
-    .filter((frame) => FRAME_FILE.test(frame) && !/inferlet\.js|sdk\/|runner\.js/.test(frame))
-    .map((frame) => frame.replace(FRAME_FILE, (_, file, line, col) => location(file, Number(line), Number(col))));
+  return String(stack ?? '').split('\n').flatMap((frame) => {
+    const found = FRAME_FILE.exec(frame);
+    if (found === null || !programFiles.has(found[1])) return [];
+    return [frame.replace(FRAME_FILE, (_, file, line, col) => `@${location(file, Number(line), Number(col))}`)];
+  });
 }
 
 // what SpiderMonkey throws when an allocation fails at the sandbox's memory limit
