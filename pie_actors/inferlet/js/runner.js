@@ -176,7 +176,8 @@ async function drive(promise) {
 export async function run(source, code, inputJson, bundleJson) {
   try {
     const main = loadMain(source, bundleJson ? JSON.parse(bundleJson) : {});
-    const result = await drive(Promise.resolve().then(() => main(JSON.parse(inputJson))));
+    // main runs now, up to its first await: a turn of the event loop first would cost its start ~0.2 ms
+    const result = await drive(Promise.resolve(main(JSON.parse(inputJson))));
     const text = JSON.stringify(result === undefined ? null : result);
     if (text === undefined) throw new TypeError('main returned a value that is not JSON');
     return text;
