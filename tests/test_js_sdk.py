@@ -347,3 +347,75 @@ export async function main(input) {
     assert out == want
     assert out["status"] == 201 and out["json"] == {"echo": "hi"} and out["refused"] == "refused"
     assert out["list"] == [["x-twice", "1"], ["x-twice", "2"]]
+
+
+STATE_PY = """from inferlet import chat, model
+from inferlet.eta import *
+
+async def main(input):
+    ws, pipe = WorkingSet(), Pipeline()
+    prompt = chat.prefix() + model.encode("The capital of France is")
+    fwd = ForwardPass().embed(prompt).state([ws], StateGeometry.folding()).readout([len(prompt) - 2, len(prompt) - 1])
+    rows = fwd.epilogue(lambda: reduce_argmax(intrinsics.output(0, "logits")))
+    pipe.submit(fwd)
+    adapted = ForwardPass().embed(prompt).state([WorkingSet()], StateGeometry.folding())
+    adapted.adapter("o", lambda x, y: y * 1.0)
+    adapted_token = adapted.epilogue(lambda: reduce_argmax(intrinsics.output(0, "logits")))
+    pipe.submit(adapted)
+    out = {"rows": await rows, "adapted": await adapted_token, "saved_tokens": ws.save("js-sdk-state")}
+    out["saved"] = [s["name"] for s in WorkingSet.saved()]
+    opened = WorkingSet.open("js-sdk-state")
+    out["restored"], out["opened_folded"] = opened.restored, opened.folded()
+    pipe.park()
+    out["next"] = [t async for t in generate(opened, pipe, [out["rows"][-1]], 4)]
+    WorkingSet.delete_saved("js-sdk-state")
+    out["after_delete"] = WorkingSet.saved()
+    chan = Channel([2], dtype.i32).capacity(2)
+    chan.put([5, 6])
+    out["host_take"] = chan.take()
+    out["cached"] = ws.cached_tokens()
+    pipe.close()
+    return out
+"""
+
+STATE_JS = """import { chat, model, ForwardPass, Pipeline, StateGeometry, WorkingSet, Channel, dtype, intrinsics,
+         reduceArgmax, float, generate } from 'inferlet';
+
+export async function main(input) {
+  const [ws, pipe] = [new WorkingSet(), new Pipeline()];
+  const prompt = [...chat.prefix(), ...model.encode('The capital of France is')];
+  const fwd = new ForwardPass().embed(prompt).state([ws], StateGeometry.folding()).readout([prompt.length - 2, prompt.length - 1]);
+  const rows = fwd.epilogue(() => reduceArgmax(intrinsics.output(0, 'logits')));
+  pipe.submit(fwd);
+  const adapted = new ForwardPass().embed(prompt).state([new WorkingSet()], StateGeometry.folding());
+  adapted.adapter('o', (x, y) => y.mul(float(1)));
+  const adaptedToken = adapted.epilogue(() => reduceArgmax(intrinsics.output(0, 'logits')));
+  pipe.submit(adapted);
+  const out = { rows: await rows, adapted: await adaptedToken, saved_tokens: ws.save('js-sdk-state') };
+  out.saved = WorkingSet.saved().map((s) => s.name);
+  const opened = WorkingSet.open('js-sdk-state');
+  [out.restored, out.opened_folded] = [opened.restored, opened.folded()];
+  pipe.park();
+  out.next = [];
+  for await (const t of generate(opened, pipe, [out.rows[out.rows.length - 1]], 4)) out.next.push(t);
+  WorkingSet.deleteSaved('js-sdk-state');
+  out.after_delete = WorkingSet.saved();
+  const chan = new Channel([2], dtype.i32).capacity(2);
+  chan.put([5, 6]);
+  out.host_take = chan.take();
+  out.cached = ws.cachedTokens();
+  pipe.close();
+  return out;
+}
+"""
+
+
+def test_working_sets_adapters_readout_and_host_channels_as_in_python(runtime):
+    start = referenced(runtime)
+    out = run(runtime, js(STATE_JS), {})
+    want = run(runtime, Program(source=STATE_PY), {})
+    assert out == want
+    assert len(out["rows"]) == 2 and out["adapted"] == out["rows"][-1] and out["saved"] == ["js-sdk-state"] and out["after_delete"] == []
+    assert out["restored"] == "kept" and out["opened_folded"] == out["saved_tokens"] and len(out["next"]) == 4
+    assert out["host_take"] == [5, 6]
+    settle(runtime, start)
