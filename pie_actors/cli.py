@@ -229,6 +229,10 @@ def _build(args: argparse.Namespace) -> int:
     from .program import Manifest, Program
 
     program = Program.load(args.dir)
+    if program.language == "javascript":       # its modules are handed to the one JavaScript runner
+        listed = f" (modules: {', '.join(sorted(program.bundle))})" if program.bundle else ""
+        print(f"a JavaScript program runs on the JavaScript runner: nothing to build{listed}")
+        return 0
     files = program.bundle or {"main.py": program.source}
     modules = bundle_modules(files)
     manifest = Manifest.read(Path(args.dir))

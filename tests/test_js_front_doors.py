@@ -110,3 +110,11 @@ def test_ray_job_submit_runs_a_js_bundle_on_the_clusters_engine(default_model_di
         logs = jobs.get_job_logs(job)
         assert status == JobStatus.SUCCEEDED, logs[-3000:]
         assert '{"greeting": "hello pie", "model": "smollm2-135m-instruct"}' in logs
+
+
+def test_pie_build_says_a_js_bundle_needs_no_build():
+    out = subprocess.run([str(BIN / "pie"), "build", "examples/js/debate"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == ("a JavaScript program runs on the JavaScript runner: nothing to build "
+                          "(modules: agent.js, main.js, speak.js)\n")
