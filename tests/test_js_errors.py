@@ -120,3 +120,19 @@ def test_a_program_that_waits_on_nothing_the_host_completes_is_told_so(runtime):
     assert err.value.message == ("Error: deadlock: every task of the inferlet is waiting, and not on anything "
                                  "the host will complete")
     assert err.value.guest_traceback == err.value.message
+
+
+def test_a_host_error_names_its_op_once_as_in_python(runtime):
+    """A refused argument (the host's check names the op) and a refusal of the op's own."""
+    source = ("import { model, WorkingSet, HostError } from 'inferlet';\nexport async function main(input) {\n"
+              "  const said = [];\n  for (const f of [() => model.decode(['x']), () => WorkingSet.open('nothing saved')]) {\n"
+              "    try { f(); } catch (e) { said.push(e instanceof HostError ? e.message : 'not a HostError'); }\n"
+              "  }\n  return said;\n}\n")
+    python = ("from inferlet import model, HostError\nfrom inferlet.eta import WorkingSet\nasync def main(input):\n"
+              "    said = []\n    for f in (lambda: WorkingSet.open('nothing saved'),):\n"
+              "        try:\n            f()\n        except HostError as e:\n            said.append(str(e))\n"
+              "    return said\n")
+    said = run(runtime, Program(source=source, language="javascript"), {})
+    assert said[1:] == run(runtime, Program(source=python), {})
+    assert said[0].startswith("model.decode: ") and not said[0].startswith("model.decode: model.decode: ")
+    assert said[1].startswith("ws.open: ") and not said[1].startswith("ws.open: ws.open: ")
