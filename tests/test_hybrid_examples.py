@@ -40,3 +40,51 @@ def test_example_equals_greedy(runtime, name):
         out = run(runtime, (EXAMPLES / name / "main.py").read_text(), {"prompt": prompt, "max_tokens": 24})
         assert out["tokens"] == greedy(engine, encode(engine, prompt), 24), (name, prompt)
     _all_back(runtime)
+
+
+# A pass appends a tail without freezing it, keeping the recurrent state where asked; the next pass
+# rewrites from there (explicit slots), as a speculative program does with its rejected drafts.
+ROLLBACK = """
+from inferlet.eta import ForwardPass, Pipeline, StateGeometry, WorkingSet, intrinsics, reduce_argmax
+
+
+async def main(input):
+    from inferlet import HostError
+    ws, pipe = WorkingSet(), Pipeline()
+
+    def step(tokens, geometry, checkpoints=None):
+        fwd = ForwardPass()
+        fwd.embed(tokens)
+        fwd.state([ws], geometry)
+        if checkpoints is not None:
+            fwd.checkpoints(checkpoints)
+        token = fwd.epilogue(lambda: reduce_argmax(intrinsics.output(0, "logits")))
+        pipe.submit(fwd)
+        return token
+
+    prompt, tail = input["prompt"], input["tail"]
+    await step(prompt, StateGeometry.folding())
+    slot = len(prompt) + input["keep"]
+    try:
+        await step(tail, StateGeometry(fold=False), input["checkpoints"])
+        return {"token": await step([input["again"]], StateGeometry(positions=[slot], slots=[slot],
+                                                                    kv_len=slot + 1, fold=slot + 1))}
+    except HostError as e:
+        return {"error": str(e)}
+"""
+
+
+def test_fwd_checkpoints_let_a_program_rewrite_from_a_kept_state(runtime):
+    """`fwd.checkpoints(slots)` from an inferlet: the rewrite from a kept slot gives the greedy token
+    of the sequence left; without the checkpoint the rewrite is refused, and so is a slot outside the
+    pass, each failing its own pass only."""
+    engine = runtime.engine
+    prompt, tail, again = encode(engine, PROMPTS[0]), [11, 12, 13, 14], 21
+    case = {"prompt": prompt, "tail": tail, "again": again, "keep": 2}
+    out = run(runtime, ROLLBACK, {**case, "checkpoints": [len(prompt) + 2]})
+    assert out == {"token": greedy(engine, prompt + tail[:2] + [again], 1)[0]}
+    refused = run(runtime, ROLLBACK, {**case, "checkpoints": None})["error"]
+    assert f"not at {len(prompt) + 2}" in refused, refused
+    outside = run(runtime, ROLLBACK, {**case, "checkpoints": [99]})["error"]
+    assert "checkpoint slot 99 is outside the pass's slots" in outside, outside
+    _all_back(runtime)

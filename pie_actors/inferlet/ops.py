@@ -77,7 +77,7 @@ a test keeps it so.
 
 The objects inside them:
     TokensAfter                  {tokens: list[int], after: int}
-    Lane                         {ws: int, tokens: list[int], chan?: int | null, positions?: list[int] | null, slots?: list[int] | null, kv_len?: int | null, mask?: list[list[bool]] | null, fold?: bool | int, readout?: list[int] | null}
+    Lane                         {ws: int, tokens: list[int], chan?: int | null, positions?: list[int] | null, slots?: list[int] | null, kv_len?: int | null, mask?: list[list[bool]] | null, fold?: bool | int, readout?: list[int] | null, checkpoints?: list[int] | null}
     ChildProgram                 {module?: str, source?: str}
 """
 from __future__ import annotations

@@ -45,6 +45,7 @@ class Lane(TypedDict):
     mask: NotRequired[list[list[bool]] | None]
     fold: NotRequired[bool | int]
     readout: NotRequired[list[int] | None]
+    checkpoints: NotRequired[list[int] | None]   # slots to keep the recurrent state at (hybrid models)
 
 
 # [site, program]: a JSON list, its items strictly typed

@@ -92,7 +92,8 @@ def _optional(check: Callable[..., Any], value: Any, *what: str) -> Any:
     return None if value is None else check(value, *what)
 
 
-_LANE_FIELDS = {"seq", "tokens", "positions", "slots", "kv_len", "mask", "fold", "readout", "tokens_from"}
+_LANE_FIELDS = {"seq", "tokens", "positions", "slots", "kv_len", "mask", "fold", "readout", "checkpoints",
+                "tokens_from"}
 _KNOWN_ERRORS = (BadRequest, EpilogueError, PassError, KVStoreError, ChannelError, EtaError)
 
 
@@ -493,6 +494,7 @@ class _Connection:
                     kv_len=_optional(_int, lane.get("kv_len"), at, "kv_len"),
                     mask=_optional(_mask, lane.get("mask"), at, "mask"), fold=fold,
                     readout=_optional(_ints, lane.get("readout"), at, "readout"),
+                    checkpoints=_optional(_ints, lane.get("checkpoints"), at, "checkpoints"),
                     tokens_from=tokens_from)
 
     # ---- programs, channels, repeats -------------------------------------------------------------------

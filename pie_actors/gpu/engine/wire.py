@@ -132,6 +132,7 @@ class LaneSpec(TypedDict, total=False):
     mask: list[list[bool]] | None
     fold: bool | int
     readout: list[int] | None
+    checkpoints: list[int] | None  # slots to keep the recurrent state at (hybrid models)
 
 
 class Info(TypedDict):

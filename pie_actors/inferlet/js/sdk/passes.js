@@ -226,6 +226,7 @@ export class ForwardPass {
     this._ws = null;
     this._geometry = FOLDING;
     this._readout = null;
+    this._checkpoints = null;
     this._mask = null;
     this._epilogue = null;
     this._prologue = null;
@@ -273,8 +274,12 @@ export class ForwardPass {
   switch(lane, name, value) { throw new RangeError(`the model declares no switch '${name}' (it has none)`); }
   media(lane, spans) { throw new RangeError('the model is text-only: it takes no image or audio spans'); }
 
-  /** Recurrent-state checkpoints: attention-only models have none to save, so a no-op. */
-  checkpoints(slots) { return this; }
+  /** Keep each lane's recurrent state at these slots, for a later cut back to one of them (a
+   * model with recurrent layers; attention-only models keep nothing). */
+  checkpoints(slots) {
+    this._checkpoints = ints(slots);
+    return this;
+  }
 
   /** At projection `site`, replace the pass's projection output y by f(x, y) (traced). */
   adapter(site, f) {
@@ -330,6 +335,7 @@ export class ForwardPass {
       if (this._channel !== null) Object.assign(lane, { chan: this._channel._h(), tokens: [] });
       else lane.tokens = this._tokens.slice(lo, hi);
       if (this._readout !== null) lane.readout = this._readout.filter((r) => r >= lo && r < hi).map((r) => r - lo);
+      if (this._checkpoints !== null) lane.checkpoints = this._checkpoints;
       if (this._mask !== null) lane.mask = this._mask.slice(lo, hi);
       return lane;
     });

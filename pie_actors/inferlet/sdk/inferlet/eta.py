@@ -449,6 +449,7 @@ class ForwardPass:
         self._ws: list[WorkingSet] | None = None
         self._geometry: StateGeometry = _FOLDING
         self._readout: list[int] | None = None
+        self._checkpoints: list[int] | None = None
         self._mask: list | None = None
         self._epilogue: int | None = None
         self._prologue: int | None = None
@@ -505,8 +506,11 @@ class ForwardPass:
         raise ValueError("the model is text-only: it takes no image or audio spans")
 
     def checkpoints(self, slots) -> "ForwardPass":
-        """Recurrent-state checkpoints for rollback. Attention-only models have no recurrent
-        state (rolling back is rewriting slots), so there is nothing to save: a no-op."""
+        """Keep the recurrent state of each lane's working set at these slots (its lengths after
+        that many rows), so that a later pass can cut the set back to one of them (a speculative
+        tail rolled back) on a model with recurrent layers. Slots outside the pass's rows fail the
+        pass. Attention-only models have no recurrent state: there it keeps nothing."""
+        self._checkpoints = [int(s) for s in slots]
         return self
 
     def adapter(self, site: str, f) -> "ForwardPass":
@@ -569,6 +573,8 @@ class ForwardPass:
                 lane["tokens"] = self._tokens[lo:hi]
             if self._readout is not None:
                 lane["readout"] = [r - lo for r in self._readout if lo <= r < hi]
+            if self._checkpoints is not None:
+                lane["checkpoints"] = self._checkpoints
             if self._mask is not None:
                 lane["mask"] = self._mask[lo:hi]
             lanes.append(lane)
