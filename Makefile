@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml Makefile
 	# the CPU attention kernel (pie_actors/gpu/kernels/csrc), built once per machine (~25 s) so that the
 	# first engine does not stall on it; without a C++ toolchain engines fall back to torch ops
 	$(PY) -c "from pie_actors.gpu.kernels import cpu_kernels; cpu_kernels.load()"
-	# the sandbox's runner components, built once into $$PIE_HOME's cache (~30 s for Python) so that a
-	# first `pie serve` or `pie run` does not build them; JavaScript's needs componentize-js as pinned
+	# the sandbox's runner components, built once beside the installed package (under the venv's
+	# share/pie_actors; ~30 s for Python) so that no first `pie serve` or `pie run`, on any $$PIE_HOME,
+	# builds them; JavaScript's needs componentize-js as pinned
 	# by pie_actors/inferlet/js/package-lock.json
 	cd pie_actors/inferlet/js && npm ci --no-audit --no-fund --loglevel=error
 	$(PY) -c "from pie_actors.inferlet.build import ensure_js_runner, ensure_runner; ensure_runner(); ensure_js_runner()"
