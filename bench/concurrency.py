@@ -153,9 +153,9 @@ def main() -> None:
             rows += program_rows
         if "ray" in args.paths:
             import ray
-            from pie_actors.controller import NAMESPACE      # the runtime's detached actors live there
+            from pie_actors.runtime import start_ray
 
-            ray.init(address="local", include_dashboard=False, namespace=NAMESPACE, log_to_driver=False)
+            start_ray("local")    # a cluster of its own, as Runtime.connect starts it (its workers at nice 0)
             try:
                 with Runtime.connect(**settings) as cluster:
                     rows += measure(kind, "ray", cluster, None, loops, clients, args.tokens, args.rounds, generate)

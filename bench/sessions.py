@@ -298,11 +298,10 @@ def cluster_server(model: str, **settings: Any) -> Iterator[Any]:
     runs on this machine already, whose other work would show in the figures. It ends with it."""
     import ray
 
-    from pie_actors.controller import NAMESPACE
+    from pie_actors.runtime import start_ray
     from pie_actors.serve import Server
 
-    ray.init(address="local", include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,
-             logging_level="ERROR", configure_logging=False)
+    start_ray("local")     # a cluster of its own, as `pie serve` starts it (its workers at nice 0)
     try:
         with Server(model, local=False, port=0, **settings) as server:
             yield server

@@ -541,8 +541,9 @@ def cluster_address(address: str | None = None) -> str | None:
 
 
 def start_ray(address: str | None = None) -> bool:
-    """Join the Ray cluster `cluster_address` finds, or start a local one, unless this process
-    is connected already; True when it started or joined one here (the caller's `ray.shutdown`).
+    """Join the Ray cluster `cluster_address` finds, or start a local one (always, with `address`
+    "local"), unless this process is connected already; True when it started or joined one here
+    (the caller's `ray.shutdown`).
     A local cluster's processes die with the *thread* that starts them (Ray has the kernel kill
     them when their parent goes, and for the kernel a thread is the parent): start it from one
     that lives as long as the cluster is needed."""
@@ -552,8 +553,11 @@ def start_ray(address: str | None = None) -> bool:
 
     if ray.is_initialized():
         return False
-    found = cluster_address(address)
-    own = {} if found else {"include_dashboard": False}    # none running: a local one, for this runtime
+    found = None if address == "local" else cluster_address(address)
+    # None running: a local one, for this runtime. Its workers at nice 0, as this process is: Ray
+    # starts them at nice 15 by default, so the engine's actor lost the cores to pie serve's HTTP
+    # process (bench/RESULTS.md, "pie serve on the cluster"). `ray start` takes RAY_worker_niceness=0.
+    own = {} if found else {"include_dashboard": False, "_system_config": {"worker_niceness": 0}}
     # Ray's own logger at ERROR: its notices (e.g. that it turned token authentication on, its default)
     # are not the product's lines; with configure_logging=False they reached stderr all the same
     ray.init(address=found or "local", **own, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
