@@ -53,7 +53,7 @@ def _referenced(engine) -> int:
     return ray.get(engine.stats.remote(), timeout=60)["kv"]["referenced"]
 
 
-def _status() -> dict:
+def _status():
     """The Controller's status (asked again while Ray restarts it, as the runtime does)."""
     return ask(ray.get_actor(NAME, namespace=NAMESPACE), "status")
 
@@ -78,8 +78,8 @@ def test_a_killed_inferlet_actor_fails_its_process_and_returns_its_pages(cluster
     assert failed.value.kind == "trap"
     assert other.result(timeout=120) == want                           # its neighbour, exactly
     until(lambda: _referenced(engine) == start)                       # the dropped connection's pages
-    until(lambda: victim.name not in [p["name"] for p in _status()["processes"]])
-    until(lambda: _status()["free_room"] >= 2)                        # the spare room refilled
+    until(lambda: victim.name not in [p.name for p in _status().processes])
+    until(lambda: _status().free_room >= 2)                        # the spare room refilled
 
 
 def test_a_killed_engine_fails_its_programs_and_restarts_for_new_ones(cluster):
@@ -124,16 +124,16 @@ def test_a_killed_controller_restarts_and_finds_its_engines_and_processes(cluste
     runtime, nodes, _, _ = cluster
     waiter = runtime.launch(WAITER, {"prompt": PROMPT}, node=nodes["a"])
     assert next(iter(waiter.events(timeout=60))).text == "ready"
-    engines = _status()["replicas"]["dummy"]
+    engines = _status().replicas["dummy"]
     ray.kill(ray.get_actor(NAME, namespace=NAMESPACE), no_restart=False)
     # the new instance is the one that has launched nothing yet
-    until(lambda: _status()["launches"] == 0, timeout=120)
+    until(lambda: _status().launches == 0, timeout=120)
     status = _status()
-    assert [r["node"] for r in status["replicas"]["dummy"]] == [r["node"] for r in engines]
-    assert waiter.name in [p["name"] for p in status["processes"]]     # asked of the live actors
+    assert [r.node for r in status.replicas["dummy"]] == [r.node for r in engines]
+    assert waiter.name in [p.name for p in status.processes]     # asked of the live actors
     waiter.send("still here")                                          # the run never noticed
     assert waiter.result(timeout=60)["got"] == "still here"
-    until(lambda: waiter.name not in [p["name"] for p in _status()["processes"]])
+    until(lambda: waiter.name not in [p.name for p in _status().processes])
     assert runtime.launch(GREEDY, {"prompt": [1, 2], "n": 3}).result(timeout=120)["tokens"]
 
 
@@ -162,8 +162,8 @@ def test_a_restarted_controller_knows_the_model_of_a_process_before_its_first_pa
         spawner = runtime.launch(SPAWNER, {"prompt": [4, 5, 6], "child": GREEDY}, node=on_c)
         assert next(iter(spawner.events(timeout=60))).text == "ready"
         ray.kill(ray.get_actor(NAME, namespace=NAMESPACE), no_restart=False)
-        until(lambda: _status()["launches"] == 0, timeout=120)
-        assert {p["name"]: p["model"] for p in _status()["processes"]}[spawner.name] == "dummy"
+        until(lambda: _status().launches == 0, timeout=120)
+        assert {p.name: p.model for p in _status().processes}[spawner.name] == "dummy"
         spawner.send("go")
         assert spawner.result(timeout=120) == want
     finally:
