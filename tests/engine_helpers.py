@@ -52,6 +52,16 @@ def save_tiny_model(family: str, folder: Path, seed: int = 0, vocab_size: int | 
     return folder
 
 
+
+def save_tiny_hybrid(folder: Path, tokenizer_dir: Path) -> Path:
+    """A random Qwen3.5 folder that speaks the tokenizer in `tokenizer_dir` (the default model's),
+    so that chat templates and text prompts work on it."""
+    from pie_actors.tokenizer import Tokenizer
+    save_tiny_model("qwen3_5", folder, vocab_size=Tokenizer.from_dir(tokenizer_dir).vocab_size)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((tokenizer_dir / name).read_bytes())
+    return folder
+
 def saved_state(folder: Path) -> dict[str, torch.Tensor]:
     """The tensors of a Hugging Face folder as transformers loads them: a loader's reference."""
     import transformers

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pie_actors import Runtime
-from tests.engine_helpers import save_tiny_model
+from tests.engine_helpers import save_tiny_hybrid
 from tests.inferlet_helpers import EXAMPLES, idle_stats, run
 from tests.test_examples_eta import encode, greedy
 
@@ -16,11 +16,7 @@ PROMPTS = ("The capital of France is", "one, two, three, one, two, three, one,")
 
 @pytest.fixture(scope="module")
 def runtime(tmp_path_factory, default_model_dir):
-    from pie_actors.tokenizer import Tokenizer
-    folder = tmp_path_factory.mktemp("hybrid") / "tiny-qwen3_5"
-    save_tiny_model("qwen3_5", folder, vocab_size=Tokenizer.from_dir(default_model_dir).vocab_size)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((default_model_dir / name).read_bytes())
+    folder = save_tiny_hybrid(tmp_path_factory.mktemp("hybrid") / "tiny-qwen3_5", default_model_dir)
     with Runtime.local(str(folder), dtype="float32", num_pages=128, timeout_s=120, compile="off") as rt:
         yield rt
 

@@ -6,17 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine_helpers import save_tiny_model
+from tests.engine_helpers import save_tiny_hybrid
 from tests.serve_helpers import ASK, KEY, chat_prompt, greedy_tokens, reference_engine, start
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, default_model_dir):
-    from pie_actors.tokenizer import Tokenizer
-    folder = tmp_path_factory.mktemp("hybrid") / "tiny-qwen3_5"
-    save_tiny_model("qwen3_5", folder, vocab_size=Tokenizer.from_dir(default_model_dir).vocab_size)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((default_model_dir / name).read_bytes())
+    folder = save_tiny_hybrid(tmp_path_factory.mktemp("hybrid") / "tiny-qwen3_5", default_model_dir)
     with start(folder, api_keys=(KEY,)) as s:
         yield s
 
