@@ -35,6 +35,25 @@ def test_openai_n_forks_and_anthropic_give_the_greedy_text(server):
     message = claude.messages.create(model="default", max_tokens=16, messages=ASK, extra_body={"temperature": 0})
     assert message.content[0].text == text
 
+    response = client.responses.create(model="default", input=ASK[0]["content"], temperature=0, max_output_tokens=16)
+    assert response.output_text == text
+
+
+def test_gemini_and_the_models_architecture_on_a_hybrid_model(server):
+    from google import genai
+    from google.genai import types
+
+    from pie_actors.program import Program
+    prompt = chat_prompt(server, ASK)
+    text = reference_engine(server).tokenizer.decode(greedy_tokens(server, prompt, 16))
+    gemini = genai.Client(api_key=KEY, http_options={"base_url": server.url, "retry_options": {"attempts": 1}})
+    reply = gemini.models.generate_content(model="default", contents=ASK[0]["content"],
+                                           config=types.GenerateContentConfig(temperature=0, max_output_tokens=16))
+    assert reply.text == text
+    architecture = server.runtime.launch(Program(source="from inferlet import model\n\nasync def main(input):\n"
+                                                        "    return model.architecture()\n"), {}).result(60)
+    assert architecture == reference_engine(server).model_config.architecture and "3_5" in architecture.lower()
+
 
 def test_a_grammar_holds_on_a_hybrid_model(server):
     import json
