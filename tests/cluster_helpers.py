@@ -185,3 +185,26 @@ def ray_head(env: dict[str, str], dashboard: bool = False) -> Iterator[tuple[dic
             os.killpg(head.pid, signal.SIGKILL)
             head.wait(60)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def run_job(dashboard: int, working_dir: Path, entrypoint: str, timeout: float = 300) -> str:
+    """`ray job submit --working-dir working_dir -- entrypoint` through the job SDK on the head whose
+    dashboard listens on `dashboard`: the job's logs, once it has succeeded."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    address, deadline = f"http://127.0.0.1:{dashboard}", time.monotonic() + 120
+    while True:                       # the dashboard may still be starting
+        try:
+            jobs = JobSubmissionClient(address)
+            break
+        except (ConnectionError, RuntimeError):
+            assert time.monotonic() < deadline, "the dashboard did not come up"
+            time.sleep(1)
+    job = jobs.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": str(working_dir)})
+    deadline = time.monotonic() + timeout
+    while (status := jobs.get_job_status(job)) not in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
+        assert time.monotonic() < deadline, f"the job did not end: {jobs.get_job_logs(job)[-3000:]}"
+        time.sleep(1)
+    logs = jobs.get_job_logs(job)
+    assert status == JobStatus.SUCCEEDED, logs[-3000:]
+    return logs

@@ -6,13 +6,12 @@ from __future__ import annotations
 import copy
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from cluster_helpers import ray_head
+from cluster_helpers import ray_head, run_job
 from pie_actors.program import Manifest, ManifestError, Program
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,34 +74,11 @@ def test_ray_cluster_yaml_passes_rays_validation():
 
 
 def test_ray_job_submit_runs_a_bundle_on_the_clusters_engine(default_model_dir, tmp_path, monkeypatch):
-    from ray.job_submission import JobStatus
-
     bundle = _bundle(tmp_path / "greeter", entry="main.py")
     bin_dir = Path(sys.executable).parent
     env = dict(os.environ, PIE_HOME=str(default_model_dir.parent.parent),
                PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     with ray_head(env, dashboard=True) as (env, dash):
-        jobs = _client(f"http://127.0.0.1:{dash}")
-        entry = "pie run --dtype float32 --compile off main.py -- --name pie"
-        job = jobs.submit_job(entrypoint=entry, runtime_env={"working_dir": str(bundle)})
-        deadline = time.monotonic() + 300
-        while (status := jobs.get_job_status(job)) not in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
-            assert time.monotonic() < deadline, f"the job did not end: {jobs.get_job_logs(job)[-3000:]}"
-            time.sleep(1)
-        logs = jobs.get_job_logs(job)
-        assert status == JobStatus.SUCCEEDED, logs[-3000:]
+        logs = run_job(dash, bundle, "pie run --dtype float32 --compile off main.py -- --name pie")
         assert '{"greeting": "hello pie", "model": "smollm2-135m-instruct"}' in logs
-
-
-def _client(address: str):
-    """The job SDK's client, once the head's dashboard answers."""
-    from ray.job_submission import JobSubmissionClient
-
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            return JobSubmissionClient(address)
-        except (ConnectionError, RuntimeError):
-            assert time.monotonic() < deadline, "the dashboard did not come up"
-            time.sleep(1)

@@ -9,16 +9,14 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import openai
 import pytest
 
-from cluster_helpers import ray_head
+from cluster_helpers import ray_head, run_job
 from pie_actors.inferlet.build import JS_DIR
 from serve_helpers import ASK, KEY, chat_prompt, greedy_text, start
-from test_jobs import _client as job_client     # the job SDK's client, once the dashboard answers
 
 pytestmark = pytest.mark.skipif(
     shutil.which("node") is None or not (JS_DIR / "node_modules" / ".bin" / "componentize-js").is_file(),
@@ -95,20 +93,10 @@ def test_a_js_endpoint_answers_the_openai_sdk_and_pie_client_submits_a_js_file(d
 
 
 def test_ray_job_submit_runs_a_js_bundle_on_the_clusters_engine(default_model_dir, tmp_path, monkeypatch):
-    from ray.job_submission import JobStatus
-
     bundle = _bundle(tmp_path / "greeter")
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     with ray_head(_env(default_model_dir), dashboard=True) as (env, dash):
-        jobs = job_client(f"http://127.0.0.1:{dash}")
-        entry = "pie run --dtype float32 --compile off main.js -- --name pie"
-        job = jobs.submit_job(entrypoint=entry, runtime_env={"working_dir": str(bundle)})
-        deadline = time.monotonic() + 300
-        while (status := jobs.get_job_status(job)) not in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
-            assert time.monotonic() < deadline, f"the job did not end: {jobs.get_job_logs(job)[-3000:]}"
-            time.sleep(1)
-        logs = jobs.get_job_logs(job)
-        assert status == JobStatus.SUCCEEDED, logs[-3000:]
+        logs = run_job(dash, bundle, "pie run --dtype float32 --compile off main.js -- --name pie")
         assert '{"greeting": "hello pie", "model": "smollm2-135m-instruct"}' in logs
 
 
