@@ -158,6 +158,21 @@ class Tab:
         return self.page.evaluate("""() => Object.fromEntries([...document.querySelectorAll('#processes tbody tr')]
             .map(r => [r.dataset.process, [...r.cells].slice(0, 3).map(c => c.textContent)]))""")
 
+    def run(self, source: str, name: str) -> None:
+        """Run `source` from the page as process `name`."""
+        self.write(source)
+        self.start(name)
+
+    def start(self, name: str) -> None:
+        """Run the editor's program as process `name`."""
+        self.page.get_by_label("Process name").fill(name)
+        self.page.get_by_role("button", name="Run").click()
+
+    def send(self, message: str) -> None:
+        """Send `message` to the running process from the page."""
+        self.page.get_by_label("Message").fill(message)
+        self.page.get_by_role("button", name="Send").click()
+
     def wait_process(self, name: str, state: str = "running") -> str:
         """The id of this key's process `name` once the live view lists it in `state`."""
         self.page.wait_for_function(
@@ -264,8 +279,7 @@ def run_looper(tab: Tab, question: str) -> str:
     """Run LOOP from the page as "looper"; its id once it streams."""
     tab.write(LOOP)
     tab.add_input("question", question)
-    tab.page.get_by_label("Process name").fill("looper")
-    tab.page.get_by_role("button", name="Run").click()
+    tab.start("looper")
     pid = tab.wait_process("looper")
     tab.page.wait_for_function("document.querySelector('#output').textContent.length > 40")
     return pid
@@ -339,17 +353,14 @@ def test_two_keys_in_two_tabs_never_see_each_others_processes(browser, server):
     mine, theirs = Tab(browser, server.url, KEY), Tab(browser, server.url, OTHER)
     try:
         for tab, name in ((mine, "alpha"), (theirs, "beta")):
-            tab.write(ECHO)
-            tab.page.get_by_label("Process name").fill(name)
-            tab.page.get_by_role("button", name="Run").click()
+            tab.run(ECHO, name)
         alpha, beta = mine.wait_process("alpha"), theirs.wait_process("beta")
         for tab, own, other in ((mine, alpha, beta), (theirs, beta, alpha)):
             figures = tab.next_stats()                 # a reading taken while both run
             assert [p["process"] for p in figures["processes"]] == [own]
             assert list(tab.process_rows()) == [own] and other not in json.dumps(figures)
         for tab, name in ((mine, "alpha"), (theirs, "beta")):
-            tab.page.get_by_label("Message").fill("stop")
-            tab.page.get_by_role("button", name="Send").click()
+            tab.send("stop")
             tab.wait_output('"turns": 0')
     finally:
         mine.close()
@@ -398,21 +409,16 @@ def test_the_editor_follows_the_files_language(tab):
 def test_a_detached_process_is_attached_from_another_tab_of_the_key(browser, server):
     first, second = Tab(browser, server.url), Tab(browser, server.url)
     try:
-        first.write(ECHO)
-        first.page.get_by_label("Process name").fill("echo")
-        first.page.get_by_role("button", name="Run").click()
+        first.run(ECHO, "echo")
         pid = first.wait_process("echo")
-        first.page.get_by_label("Message").fill("one")
-        first.page.get_by_role("button", name="Send").click()
+        first.send("one")
         first.wait_output("echo one")
         first.close()                                  # its connection closes: the process runs on, detached
         second.wait_process("echo")
         second.page.get_by_role("button", name="Attach echo").click()
-        second.page.get_by_label("Message").fill("two")
-        second.page.get_by_role("button", name="Send").click()
+        second.send("two")
         second.wait_output("echo two")
-        second.page.get_by_label("Message").fill("stop")
-        second.page.get_by_role("button", name="Send").click()
+        second.send("stop")
         second.wait_output('"turns": 2')
         assert "echo one" not in second.output()       # it reached the first tab, and is not sent twice
         assert pid not in [p["process"] for p in second.next_stats()["processes"]]   # ended, forgotten
@@ -477,12 +483,9 @@ def test_a_dropped_websocket_shows_disconnected_and_reattaches(browser, server):
     proxy = Proxy(server.url)
     tab = Tab(browser, proxy.url)
     try:
-        tab.write(ECHO)
-        tab.page.get_by_label("Process name").fill("echo")
-        tab.page.get_by_role("button", name="Run").click()
+        tab.run(ECHO, "echo")
         pid = tab.wait_process("echo")
-        tab.page.get_by_label("Message").fill("one")
-        tab.page.get_by_role("button", name="Send").click()
+        tab.send("one")
         tab.wait_output("echo one")
 
         proxy.drop()
@@ -498,8 +501,7 @@ def test_a_dropped_websocket_shows_disconnected_and_reattaches(browser, server):
         reattach.click()
         tab.wait_output("echo two")
         assert reattach.is_hidden()
-        tab.page.get_by_label("Message").fill("stop")
-        tab.page.get_by_role("button", name="Send").click()
+        tab.send("stop")
         tab.wait_output('"turns": 2')
         assert tab.output().count("echo one") == 1 and tab.output().count("echo two") == 1
     finally:
