@@ -13,8 +13,8 @@ args)`, with JSON args; the glue classes (*_ops.py) group the ops into interface
 `bind` validates the args of each call against the declaration with pydantic, strictly (JSON's
 types as they come, no coercion; unknown object fields refused), before the handler runs, and
 hands the handler the fields as keyword arguments. A malformed call fails with a HostOpError that
-names the op and the field (`eta.submit: lanes.0.tokens: input should be a valid list, got str`):
-the guest sees an error result and the run goes on. Checks that need the run's state (is this
+names the field (`lanes.0.tokens: input should be a valid list, got str`; the guest SDK puts the op
+before every host error: `eta.submit: lanes.0...`): the guest sees an error result and the run goes on. Checks that need the run's state (is this
 handle one of the run's?) stay in the handlers.
 """
 from __future__ import annotations
@@ -110,7 +110,7 @@ def _checker(op: HostOp) -> Callable[[Any], dict[str, Any]]:
     if op.args is None:
         def none(raw: Any) -> dict[str, Any]:
             if raw is not None:
-                raise HostOpError(f"{op.name}: takes no arguments, got {_got(raw)}")
+                raise HostOpError(f"takes no arguments, got {_got(raw)}")
             return {}
         return none
     adapter, names = TypeAdapter(op.args), list(op.args.__annotations__)
@@ -120,13 +120,13 @@ def _checker(op: HostOp) -> Callable[[Any], dict[str, Any]]:
             raw = {names[0]: raw}
         elif op.wire == "list":
             if not isinstance(raw, list) or len(raw) != len(names):
-                raise HostOpError(f"{op.name}: takes [{', '.join(names)}], got {_got(raw)}"
+                raise HostOpError(f"takes [{', '.join(names)}], got {_got(raw)}"
                                   + (f" of {len(raw)}" if isinstance(raw, list) else ""))
             raw = dict(zip(names, raw))
         try:
             return adapter.validate_python(raw)
         except ValidationError as e:
-            raise HostOpError(f"{op.name}: " + "; ".join(
+            raise HostOpError("; ".join(
                 f"{'.'.join(map(str, err['loc'])) or 'arguments'}: "
                 f"{err['msg'][0].lower()}{err['msg'][1:]}"
                 + ("" if err["type"] == "missing" else f", got {_got(err['input'])}")

@@ -25,12 +25,8 @@ export function callJson(op, argsJson) {
   try {
     out = wasmCall(op, argsJson);
   } catch (e) {
-    // the host's `err` arrives as an Error whose payload is the host's message; the host's
-    // argument checks name the op already
-    if (e && e.payload !== undefined) {
-      const message = String(e.payload);
-      throw new HostError(message.startsWith(`${op}: `) ? message : `${op}: ${message}`);
-    }
+    // the host's `err` arrives as an Error whose payload is the host's message
+    if (e && e.payload !== undefined) throw new HostError(`${op}: ${e.payload}`);
     throw e;
   }
   return JSON.parse(out);

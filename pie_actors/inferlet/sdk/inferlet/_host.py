@@ -66,8 +66,8 @@ def call(op: str, args=None):
     _check_live(op)
     try:
         out = _wit.call(op, _dumps(args))
-    except Err as e:      # the host's argument checks name the op already
-        raise HostError(e.value if e.value.startswith(f"{op}: ") else f"{op}: {e.value}") from None
+    except Err as e:
+        raise HostError(f"{op}: {e.value}") from None
     return _loads(out)
 
 
