@@ -12,37 +12,21 @@ caller writes (`reload`: rows kept in host memory), or empty, to be prefilled ag
 Saved working sets and the working sets of parked programs leave the pool this way when it runs
 short (gpu/engine/saved.py).
 
-A model with recurrent layers (linear attention) also keeps a fixed-size state per sequence, in a
-slot of the store's `StatePool` (states.py): a store made with `num_states` gives each sequence one.
-A pass reads the sequence's state slot and writes the state after its rows into a new slot
-(`advance_state`), which becomes the sequence's at `commit`, or goes back at `rollback`. A state
-holds every row written before it, so such a sequence takes rows in order, without gaps, and goes
-back (`cut`, `truncate`, explicit slots that rewrite unfrozen rows) only to a length where it keeps
-a checkpoint: a state saved on the way, in a slot of its own. A pass keeps one at each row boundary
-it leaves unfrozen (explicit geometry: what a speculative pass may roll back to) and at the lengths
-it is asked to (`Lane.checkpoints`, `fwd.checkpoints`); a run-ahead pins the length before each of
-its runs (`pin`) until the run is read. Checkpoints below the frozen prefix go once nothing pins
-them. `fork` copies the state at the frozen length (the copy is queued for the engine,
-`take_state_copies`).
-
-Prefix reuse for such sequences needs the state at the end of the reused pages as well: a canonical
-pass keeps the state at each page boundary it crosses (the first `SNAPSHOTS_PER_PASS` of them), and
-the commit that indexes the page there keeps that state as the page's snapshot, by chain key. A
-later append reuses the deepest indexed page that has one, reading a copy of it. Snapshots are a
-cache: least recently used first, they give their slots back when the state slots run out.
+A model with recurrent layers (linear attention) also keeps a fixed-size state per sequence: a store
+made with `num_states` gives each sequence one, whose slots, checkpoints and prefix snapshots
+recurrent.py keeps.
 """
 
 import itertools
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .pool import Evicted, InvalidSlot, KVStoreError, OutOfPages, PagePool, QuotaExceeded, UnknownSequence
 from .prefix import ROOT, chain_key
-from .states import OutOfStates, StatePass, StatePool
-
-SNAPSHOTS_PER_PASS = 8        # page boundaries a pass keeps the recurrent state at, for prefix reuse
+from .recurrent import RecurrentStates
+from .states import StatePass
 
 
 @dataclass
@@ -97,14 +81,17 @@ class KVStore:
         # saved working sets and those of parked programs to make room (gpu/engine/saved.py).
         self.reclaim: Callable[[int], None] | None = None
         self._bounds: dict[int, int] = {}  # partition root -> pages its counted sequences may hold
-        self._states = StatePool(num_states) if num_states else None
-        self.state_copies: list[tuple[int, int]] = []  # (src, dst) state slots for the engine to copy
-        self._snapshots: OrderedDict[int, int] = OrderedDict()  # chain key -> state slot, LRU first
+        self._states = RecurrentStates(num_states, page_size) if num_states else None
 
     @property
     def keeps_state(self) -> bool:
         """Whether each sequence keeps a recurrent state (the model has recurrent layers)."""
         return self._states is not None
+
+    @property
+    def state_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) state-slot copies queued for the engine to run before its next batch."""
+        return self._states.copies if self._states is not None else []
 
     # -- sequences ------------------------------------------------------------------------------
 
@@ -119,7 +106,8 @@ class KVStore:
         holds none: it is forgotten."""
         evicted = self._evicted.pop(seq, None)
         s = evicted[0] if evicted is not None else self._get(seq)
-        self._release_states(s)
+        if self._states is not None:
+            self._states.release(s)
         if evicted is not None:
             return
         del self._seqs[seq]
@@ -141,16 +129,16 @@ class KVStore:
         shared = s.pages[:full]
         if counted:
             self._check_bound(seq, s.root, 1 if tail else 0, shared)   # a saved set's pages are new to it
-        source = self._state_at(seq, s, s.folded)
-        state = self._allocate_state() if source is not None else None
+        source = self._states.state_at(seq, s, s.folded) if self._states is not None else None
+        state = self._states.allocate() if source is not None else None
         try:
             copy = self._allocate(1 if tail else 0)  # before any incref: OutOfPages changes nothing
         except OutOfPages:
             if state is not None:
-                self._states.release(state)
+                self._states.pool.release(state)
             raise
         if state is not None:
-            self.state_copies.append((source, state))
+            self._states.copies.append((source, state))
         for page in shared:
             self._pool.incref(page)
         child = next(self._ids)
@@ -194,7 +182,7 @@ class KVStore:
                 available = self._pool.available() - sum(self._pool.is_cached(page) for page, _ in hits)
             if need > available:
                 raise OutOfPages(f"sequence {seq}: need {need} new pages, {available} available")
-            src = self._copy_snapshot(hits[-1][1]) if hits and self._states is not None else None
+            src = self._states.copy_snapshot(hits[-1][1]) if hits and self._states is not None else None
             for page, key in hits:
                 self._pool.incref(page)
                 s.pages.append(page)
@@ -229,7 +217,7 @@ class KVStore:
             hits.append((page, key))
             parent = key
         if self._states is not None:      # the state after the reused pages must be known too
-            while hits and hits[-1][1] not in self._snapshots:
+            while hits and hits[-1][1] not in self._states.snapshots:
                 hits.pop()
         return hits
 
@@ -253,7 +241,7 @@ class KVStore:
         if len(local_slots) != len(tokens):
             raise InvalidSlot(f"sequence {seq}: {len(local_slots)} slots for {len(tokens)} tokens")
         if self._states is not None:
-            self._rewind_for(seq, s, list(local_slots))
+            self._states.rewind_for(seq, s, list(local_slots))
         capacity = len(s.pages) * self.page_size
         for slot in local_slots:
             if slot < s.folded:
@@ -274,7 +262,7 @@ class KVStore:
         so a smaller fold_to is a no-op), then index every full page that is now entirely frozen."""
         s = self._get(seq)
         if s.pending is not None:
-            self._take_pass_states(s)
+            self._states.take_pass(s)
         if fold_to is not None:
             if fold_to > s.length:
                 raise InvalidSlot(f"sequence {seq}: cannot fold to {fold_to}, only {s.length} slots written")
@@ -292,9 +280,9 @@ class KVStore:
             self._pool.register(s.pages[i], key)
             s.keys.append(key)
             if self._states is not None:
-                self._snapshot(s, (i + 1) * ps, key)
+                self._states.snapshot(s, (i + 1) * ps, key)
         if self._states is not None:
-            self._prune_checkpoints(s)
+            self._states.prune(s)
 
     def truncate(self, seq: int, length: int) -> None:
         """Roll back uncommitted rows to ``length`` (folded <= length <= current length). Pages
@@ -305,7 +293,7 @@ class KVStore:
                 f"sequence {seq}: cannot truncate to {length}, must be in [folded={s.folded}, length={s.length}]"
             )
         if self._states is not None:
-            self._restore_state(seq, s, length)
+            self._states.restore(seq, s, length)
         self._drop(s, length)
 
     def _drop(self, s: _Seq, length: int) -> None:
@@ -324,7 +312,7 @@ class KVStore:
         if not 0 <= length <= s.length:
             raise InvalidSlot(f"sequence {seq}: cannot cut to {length}, it has {s.length} slots")
         if self._states is not None:
-            self._state_at(seq, s, length)      # before any change: no checkpoint there, nothing done
+            self._states.state_at(seq, s, length)   # before any change: no checkpoint there, nothing done
         full, tail = divmod(length, self.page_size)
         copies = []
         if tail and (full < len(s.keys) or self._pool.refcount[s.pages[full]] > 1):
@@ -336,7 +324,7 @@ class KVStore:
         s.cached_tokens = min(s.cached_tokens, length)
         del s.keys[full:]
         if self._states is not None:
-            self._restore_state(seq, s, length)
+            self._states.restore(seq, s, length)
         self._drop(s, length)
         return copies
 
@@ -374,7 +362,8 @@ class KVStore:
         recomputes it (it was `replayable` when evicted)."""
         s, _ = self._evicted_seq(seq)
         del self._evicted[seq]
-        self._release_states(s)
+        if self._states is not None:
+            self._states.release(s)
         self._seqs[seq] = _Seq(root=s.root, counted=s.counted)
         return s.tokens[: s.folded]
 
@@ -400,21 +389,15 @@ class KVStore:
         (they were frozen at once, so `truncate` cannot remove them). Only valid before the next
         commit of the sequence, which is how the engine uses it: plan, fail, roll back."""
         s = self._get(mark.seq)
-        if s.pending is not None:
-            for slot in s.pending.slots():
-                self._states.release(slot)
-            if s.pending.rewound is not None:         # the rows its explicit slots took back
-                start, rows = s.pending.rewound
-                del s.tokens[start:]
-                s.tokens += rows
-            s.pending = None
+        if self._states is not None:
+            self._states.abort_pass(s)
         s.folded, s.cached_tokens = mark.folded, mark.cached_tokens
         del s.keys[mark.keys:]
         if not s.folded <= mark.length <= s.length:
             raise InvalidSlot(f"sequence {mark.seq}: cannot roll back to {mark.length}")
         self._drop(s, mark.length)
 
-    # -- recurrent state ------------------------------------------------------------------------
+    # -- recurrent state (recurrent.py) --------------------------------------------------------
 
     def advance_state(self, seq: int, start: int, keep: Iterable[int] = ()
                       ) -> tuple[int, int, list[tuple[int, int]]] | None:
@@ -425,146 +408,29 @@ class KVStore:
         `rollback` releases them. All or nothing on OutOfStates."""
         if self._states is None:
             return None
-        s = self._get(seq)
-        rewound = s.pending.rewound if s.pending is not None else None
-        hit = s.pending.src if s.pending is not None else None
-        src = hit if hit is not None else s.checkpoints[rewound[0]] if rewound is not None else s.state
-        cuts = sorted({n for n in keep if start < n < s.length})
-        slots: list[int] = []
-        try:
-            for _ in range(len(cuts) + 1):
-                slots.append(self._allocate_state())
-        except OutOfPages:
-            for slot in slots:
-                self._states.release(slot)
-            raise
-        s.pending = StatePass(slots[-1], dict(zip(cuts, slots)), rewound, hit)
-        saves = [(n - start, slot) for n, slot in zip(cuts, slots)]
-        return (self._states.zero if src is None else src), slots[-1], saves
+        return self._states.advance(seq, self._get(seq), start, keep)
 
     def pin(self, seq: int) -> None:
         """Keep the state at the sequence's length until `unpin`: a run-ahead may cut back to it."""
         if self._states is not None:
-            s = self._get(seq)
-            s.pins[s.length] += 1
-            s.checkpoints[s.length] = s.state
+            self._states.pin(self._get(seq))
 
     def unpin(self, seq: int, length: int) -> None:
-        if self._states is None or seq not in self._seqs:
-            return                        # freed or evicted meanwhile: its states went with it
-        s = self._seqs[seq]
-        if s.pins[length] > 0:
-            s.pins[length] -= 1
-        if not s.pins[length]:
-            del s.pins[length]
-        self._prune_checkpoints(s)
-
-    def _state_at(self, seq: int, s: _Seq, length: int) -> int | None:
-        """The slot of the state after ``length`` rows (None: the zero state)."""
-        if length == s.length or self._states is None:
-            return s.state
-        if length not in s.checkpoints:
-            raise InvalidSlot(f"sequence {seq}: its recurrent state is kept at {s.length} rows and at "
-                              f"{sorted(s.checkpoints)}, not at {length}")
-        return s.checkpoints[length]
-
-    def _rewind_for(self, seq: int, s: _Seq, slots: list[int]) -> None:
-        """Explicit slots on a sequence with a recurrent state: in order from the length or from a
-        checkpoint, whose later rows they take back (restored if the pass fails)."""
-        start = slots[0] if slots else s.length
-        if slots != list(range(start, start + len(slots))):
-            raise InvalidSlot(f"sequence {seq}: its recurrent state takes rows only in order, "
-                              f"not at slots {slots[:8]}")
-        if start < s.folded:
-            raise InvalidSlot(f"sequence {seq}: slot {start} is frozen (folded={s.folded})")
-        self._state_at(seq, s, start)
-        if start < s.length:
-            s.pending = StatePass(None, {}, (start, s.tokens[start:]))
-            del s.tokens[start:]
+        if self._states is not None and seq in self._seqs:   # else freed or evicted meanwhile
+            self._states.unpin(self._seqs[seq], length)
 
     def snapshot_lengths(self, seq: int, first: int, end: int) -> list[int]:
         """The page boundaries in (first, end) where a canonical pass writing rows [first, end) of
         ``seq`` keeps the recurrent state, for prefix reuse (none when nothing is reused)."""
         if self._states is None or not self.prefix_cache or not self._get(seq).canonical:
             return []
-        ps = self.page_size
-        return list(range((first // ps + 1) * ps, end, ps))[:SNAPSHOTS_PER_PASS]
-
-    def _snapshot(self, s: _Seq, length: int, key: int) -> None:
-        """Keep the state after ``length`` rows as the snapshot of the page indexed under ``key``:
-        the checkpoint the pass kept there, or a copy of the current state."""
-        if key in self._snapshots:
-            self._snapshots.move_to_end(key)
-            return
-        if length in s.checkpoints and length not in s.pins and s.checkpoints[length] != s.state:
-            self._snapshots[key] = s.checkpoints.pop(length)
-        elif length == s.length and s.state is not None:
-            try:
-                slot = self._allocate_state()
-            except OutOfStates:
-                return                     # no room: that prefix is just not reusable
-            self.state_copies.append((s.state, slot))
-            self._snapshots[key] = slot
-
-    def _copy_snapshot(self, key: int) -> int:
-        """A copy of the snapshot of ``key``, for a pass that reuses the pages up to it to read."""
-        self._snapshots.move_to_end(key)
-        slot = self._allocate_state(keep=key)
-        self.state_copies.append((self._snapshots[key], slot))
-        return slot
-
-    def _allocate_state(self, keep: int | None = None) -> int:
-        """A state slot; when none is free, the least recently used snapshot (not ``keep``'s) gives its own."""
-        if not self._states.free:
-            for key in self._snapshots:
-                if key != keep:
-                    self._states.release(self._snapshots.pop(key))
-                    break
-        return self._states.allocate()
-
-    def _take_pass_states(self, s: _Seq) -> None:
-        """The states a pass wrote become the sequence's; those past where it started, taken back."""
-        p, old = s.pending, s.state
-        s.pending = None
-        if p.src is not None:             # the copy of a snapshot it read
-            self._states.release(p.src)
-        if p.rewound is not None:
-            start = p.rewound[0]
-            for n in [n for n in s.checkpoints if n > start]:
-                self._forget(s, s.checkpoints.pop(n))
-        s.state = p.dst
-        for n, slot in p.saves.items():
-            replaced = s.checkpoints.get(n)
-            s.checkpoints[n] = slot
-            self._forget(s, replaced)
-        self._forget(s, old)
-
-    def _restore_state(self, seq: int, s: _Seq, length: int) -> None:
-        """Before rows past ``length`` are dropped: the state there becomes the current one."""
-        old, s.state = s.state, self._state_at(seq, s, length)
-        for n in [n for n in s.checkpoints if n > length]:
-            self._forget(s, s.checkpoints.pop(n))
-        self._forget(s, old)
-
-    def _prune_checkpoints(self, s: _Seq) -> None:
-        """Checkpoints nothing may go back to any more: below the frozen prefix and not pinned."""
-        for n in [n for n in s.checkpoints if (n < s.folded and n not in s.pins) or n > s.length]:
-            self._forget(s, s.checkpoints.pop(n))
-
-    def _forget(self, s: _Seq, slot: int | None) -> None:
-        """Release ``slot`` unless the sequence still holds it."""
-        if slot is not None and slot not in self._state_slots(s):
-            self._states.release(slot)
-
-    @staticmethod
-    def _state_slots(s: _Seq) -> set[int]:
-        held = {s.state, *s.checkpoints.values(), *(s.pending.slots() if s.pending else ())}
-        held.discard(None)
-        return held
+        return self._states.snapshot_lengths(first, end)
 
     def take_state_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) state-slot copies queued since the last call, for the next batch to run first."""
-        copies, self.state_copies = self.state_copies, []
+        if self._states is None:
+            return []
+        copies, self._states.copies = self._states.copies, []
         return copies
 
     def state_stats(self) -> dict[str, int]:
@@ -572,16 +438,7 @@ class KVStore:
         reuse)}; all 0 for a store that keeps none."""
         if self._states is None:
             return {"total": 0, "free": 0, "held": 0, "snapshots": 0}
-        stats = self._states.stats()
-        return {**stats, "held": stats["held"] - len(self._snapshots), "snapshots": len(self._snapshots)}
-
-    def _release_states(self, s: _Seq) -> None:
-        if self._states is not None:
-            for slot in self._state_slots(s):
-                self._states.release(slot)
-            s.state, s.pending = None, None
-            s.checkpoints.clear()
-            s.pins.clear()
+        return self._states.stats()
 
     # -- queries --------------------------------------------------------------------------------
 
@@ -677,12 +534,7 @@ class KVStore:
         """Raise AssertionError describing the first accounting inconsistency found."""
         self._pool.check(Counter(page for s in self._seqs.values() for page in s.pages))
         if self._states is not None:
-            every = list(self._seqs.values()) + [s for s, _ in self._evicted.values()]
-            self._states.check([slot for s in every for slot in self._state_slots(s)]
-                               + list(self._snapshots.values()))
-            for seq, s in self._seqs.items():
-                if (s.state is None) != (s.length == 0):
-                    raise AssertionError(f"sequence {seq}: {s.length} rows but state slot {s.state}")
+            self._states.check(self._seqs, [s for s, _ in self._evicted.values()])
         if both := self._evicted.keys() & self._seqs.keys():
             raise AssertionError(f"sequences both live and evicted: {sorted(both)}")
         ps = self.page_size
