@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from .pool import InvalidSlot, OutOfPages
+from .pool import InvalidSlot
 from .states import OutOfStates, StatePass, StatePool
 
 if TYPE_CHECKING:
@@ -54,18 +54,22 @@ class RecurrentStates:
         rewound = s.pending.rewound if s.pending is not None else None
         hit = s.pending.src if s.pending is not None else None
         src = hit if hit is not None else s.checkpoints[rewound[0]] if rewound is not None else s.state
-        cuts = sorted({n for n in keep if start < n < s.length})
-        slots: list[int] = []
-        try:
-            for _ in range(len(cuts) + 1):
-                slots.append(self.allocate())
-        except OutOfPages:
-            for slot in slots:
-                self.pool.release(slot)
-            raise
+        cuts = self.cuts(s, start, keep)
+        room = len(self.pool.free) + len(self.snapshots)
+        if len(cuts) + 1 > room:
+            raise OutOfStates(f"sequence {seq}: the pass needs {len(cuts) + 1} recurrent-state slots (the "
+                              f"state after it and {len(cuts)} checkpoints), {room} of the "
+                              f"{self.pool.num_slots} are free or prefix snapshots")
+        slots = [self.allocate() for _ in range(len(cuts) + 1)]
         s.pending = StatePass(slots[-1], dict(zip(cuts, slots)), rewound, hit)
         saves = [(n - start, slot) for n, slot in zip(cuts, slots)]
         return (self.pool.zero if src is None else src), slots[-1], saves
+
+    @staticmethod
+    def cuts(s: _Seq, start: int, keep: Iterable[int]) -> list[int]:
+        """The lengths in `keep` inside a pass writing rows [start, length) of ``s``: where it keeps
+        a checkpoint, each in a slot of its own."""
+        return sorted({n for n in keep if start < n < s.length})
 
     def rewind_for(self, seq: int, s: _Seq, slots: list[int]) -> None:
         """Explicit slots: in order from the length or from a checkpoint, whose later rows they take

@@ -66,10 +66,13 @@ class _Seq:
 
 class KVStore:
     def __init__(self, num_pages: int, page_size: int = 16, prefix_cache: bool = True,
-                 num_states: int = 0) -> None:
-        """`num_states`: recurrent-state slots, for a model with recurrent layers (0: none)."""
-        if num_pages <= 0 or page_size <= 0:
-            raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
+                 num_states: int = 0, state_pages: int = 1) -> None:
+        """`num_states`: recurrent-state slots, for a model with recurrent layers (0: none);
+        `state_pages`: what one of them counts against a partition's bound, in KV pages (the engine
+        gives their size ratio, gpu/engine/worker.py `state_pages`)."""
+        if num_pages <= 0 or page_size <= 0 or state_pages <= 0:
+            raise ValueError(f"num_pages, page_size and state_pages must be positive, "
+                             f"got {num_pages}, {page_size}, {state_pages}")
         self.num_pages = num_pages
         self.page_size = page_size
         self.prefix_cache = prefix_cache     # off: appends never attach indexed pages (for comparisons)
@@ -81,6 +84,7 @@ class KVStore:
         # saved working sets and those of parked programs to make room (gpu/engine/saved.py).
         self.reclaim: Callable[[int], None] | None = None
         self._bounds: dict[int, int] = {}  # partition root -> pages its counted sequences may hold
+        self.state_pages = state_pages
         self._states = RecurrentStates(num_states, page_size) if num_states else None
 
     @property
@@ -127,9 +131,9 @@ class KVStore:
         s = self._get(seq)
         full, tail = divmod(s.folded, self.page_size)
         shared = s.pages[:full]
-        if counted:
-            self._check_bound(seq, s.root, 1 if tail else 0, shared)   # a saved set's pages are new to it
         source = self._states.state_at(seq, s, s.folded) if self._states is not None else None
+        if counted:     # a saved set's pages are new to it
+            self._check_bound(seq, s.root, 1 if tail else 0, shared, states=int(source is not None))
         state = self._states.allocate() if source is not None else None
         try:
             copy = self._allocate(1 if tail else 0)  # before any incref: OutOfPages changes nothing
@@ -173,8 +177,9 @@ class KVStore:
         end = start + len(tokens)
         need = max(0, -(-end // ps) - len(s.pages) - len(hits))
         if need or hits:
-            if s.counted:
-                self._check_bound(seq, s.root, need, [page for page, _ in hits])
+            if s.counted:     # a hit reads a copy of its snapshot: a state of its own
+                self._check_bound(seq, s.root, need, [page for page, _ in hits],
+                                  states=int(bool(hits) and self._states is not None))
             # Revived pages leave the eviction queue, so they cannot also be evicted to pay for `need`.
             available = self._pool.available() - sum(self._pool.is_cached(page) for page, _ in hits)
             if need > available and self.reclaim is not None:
@@ -408,7 +413,10 @@ class KVStore:
         `rollback` releases them. All or nothing on OutOfStates."""
         if self._states is None:
             return None
-        return self._states.advance(seq, self._get(seq), start, keep)
+        s, keep = self._get(seq), list(keep)
+        if s.counted:
+            self._check_bound(seq, s.root, 0, states=len(self._states.cuts(s, start, keep)) + 1)
+        return self._states.advance(seq, s, start, keep)
 
     def pin(self, seq: int) -> None:
         """Keep the state at the sequence's length until `unpin`: a run-ahead may cut back to it."""
@@ -435,10 +443,11 @@ class KVStore:
 
     def state_stats(self) -> dict[str, int]:
         """Recurrent-state slots: {"total", "free", "held" (by sequences), "snapshots" (for prefix
-        reuse)}; all 0 for a store that keeps none."""
+        reuse), "pages_each" (what one held slot counts against a bound)}; all 0 for a store that
+        keeps none."""
         if self._states is None:
-            return {"total": 0, "free": 0, "held": 0, "snapshots": 0}
-        return self._states.stats()
+            return {"total": 0, "free": 0, "held": 0, "snapshots": 0, "pages_each": 0}
+        return {**self._states.stats(), "pages_each": self.state_pages}
 
     # -- queries --------------------------------------------------------------------------------
 
@@ -471,27 +480,47 @@ class KVStore:
     # -- bounds per partition -------------------------------------------------------------------
 
     def limit(self, root: int, pages: int) -> None:
-        """Bound the distinct pages the sequences of partition ``root`` hold together (0: no bound):
-        an allocation that would pass it raises QuotaExceeded."""
+        """Bound what the counted sequences of partition ``root`` hold together, in pages (0: no
+        bound): their distinct KV pages, plus `state_pages` for each recurrent-state slot they hold
+        (current states, checkpoints, a pass in flight's). An allocation that would pass it raises
+        QuotaExceeded. Prefix snapshots, like cached pages, are no partition's."""
         if pages:
             self._bounds[root] = pages
         else:
             self._bounds.pop(root, None)
 
-    def held(self, root: int) -> set[int]:
-        """The pages the counted sequences of partition ``root`` hold."""
-        return {p for s in self._seqs.values() if s.root == root and s.counted for p in s.pages}
+    def usage(self, root: int) -> dict[str, int]:
+        """What partition ``root``'s counted sequences hold: {"pages" (distinct KV pages), "states"
+        (distinct recurrent-state slots), "total" (both in pages: what its bound counts), "bound"
+        (0: none)}."""
+        pages, states = self._held(root)
+        total = len(pages) + len(states) * self.state_pages
+        return {"pages": len(pages), "states": len(states), "total": total, "bound": self._bounds.get(root, 0)}
 
-    def _check_bound(self, seq: int, root: int, allocate: int, attach: Iterable[int] = ()) -> None:
-        """Raise QuotaExceeded if ``allocate`` new pages and the pages ``attach`` take partition
-        ``root`` past its bound."""
+    def _held(self, root: int) -> tuple[set[int], set[int]]:
+        """The pages and the state slots the counted sequences of partition ``root`` hold (an
+        evicted one holds no pages but keeps its states)."""
+        mine = [s for s in self._seqs.values() if s.root == root and s.counted]
+        pages = {p for s in mine for p in s.pages}
+        if self._states is None:
+            return pages, set()
+        mine += [s for s, _ in self._evicted.values() if s.root == root and s.counted]
+        return pages, {slot for s in mine for slot in self._states.slots_of(s)}
+
+    def _check_bound(self, seq: int, root: int, allocate: int, attach: Iterable[int] = (),
+                     states: int = 0) -> None:
+        """Raise QuotaExceeded if ``allocate`` new pages, the pages ``attach`` and ``states`` new
+        state slots take partition ``root`` past its bound."""
         bound = self._bounds.get(root)
-        if bound is None or not (allocate or attach):
+        if bound is None or not (allocate or attach or states):
             return
-        held = self.held(root)
-        new = allocate + len(set(attach) - held)
-        if len(held) + new > bound:
-            raise QuotaExceeded(f"sequence {seq}: its owner's working sets hold {len(held)} KV pages; "
+        pages, slots = self._held(root)
+        new = allocate + len(set(attach) - pages) + states * self.state_pages
+        if len(pages) + len(slots) * self.state_pages + new > bound:
+            holds = f"{len(pages)} KV pages"
+            if self._states is not None:
+                holds += f" and {len(slots)} recurrent states of {self.state_pages} pages each"
+            raise QuotaExceeded(f"sequence {seq}: its owner's working sets hold {holds}; "
                                 f"{new} more would pass their bound of {bound}")
 
     def history(self, seq: int) -> list[int]:

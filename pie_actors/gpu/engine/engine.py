@@ -33,7 +33,7 @@ from ..model.tp import Comm, join_group
 from .channels import ChannelStore
 from .saved import ParkedSets, SavedSets, Spill
 from .scheduler import Epilogue, Lane, PassRequest, Planned, Scheduler
-from .worker import BatchPlan, Worker, kv_bytes_per_page, start_remote_ranks, state_slots
+from .worker import BatchPlan, Worker, kv_bytes_per_page, start_remote_ranks, state_pages, state_slots
 
 
 def _free_port() -> int:
@@ -142,8 +142,9 @@ class Engine:
             worker.compiled.compile_behind(model_dir)
         elif worker.compiled is not None:
             worker.compiled.warm_up(progress)
-        return cls(worker, KVStore(num_pages, config.page_size, config.prefix_cache, num_states), config,
-                   tokenizer, remote)
+        kv = KVStore(num_pages, config.page_size, config.prefix_cache, num_states,
+                     state_pages(cfg, config.page_size, dt))
+        return cls(worker, kv, config, tokenizer, remote)
 
     # ---- sequences ---------------------------------------------------------------------------
     def create_sequence(self, partition: int = ROOT) -> int:
@@ -166,7 +167,8 @@ class Engine:
                 self.parked.forget(seq)
 
     def limit_pages(self, partition: int, pages: int) -> None:
-        """Bound the KV pages the working sets of `partition` hold together (0: no bound)."""
+        """Bound the KV pages the working sets of `partition` hold together, their recurrent states
+        counted in pages (`KVStore.limit`; 0: no bound)."""
         with self._lock:
             self.kv.limit(partition, pages)
 

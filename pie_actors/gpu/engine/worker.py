@@ -70,6 +70,15 @@ def state_slots(cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.d
     return max(32, min(2 * num_pages, fit))
 
 
+def state_pages(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+    """What one recurrent-state slot counts against a partition's page bound (`KVStore.limit`): the
+    bytes of one working set's state over those of one KV page, rounded up, so that a bound in
+    pages bounds the memory a tenant holds in either kind (1 for a model without recurrent layers)."""
+    if not cfg.recurrent_layers:
+        return 1
+    return -(-recurrent_state_bytes(cfg, dtype) // max(1, kv_bytes_per_page(cfg, page_size, dtype)))
+
+
 class Worker:
     """One rank: the model shard plus per-layer K and V caches of shape [kv_heads, num_pages * page_size, head_dim]."""
 
