@@ -149,6 +149,28 @@ export async function main(input) {
     assert traced(js(javascript)) == traced(Program(source=python))
 
 
+def test_an_epilogue_in_a_loop_is_a_new_program_only_when_its_trace_changes():
+    """The same arrow traced at every pass asks the host once; when a value it closes over
+    changes, the new IR is asked for, and a float stays apart from an int, -0.0 from 0.0, NaN
+    and the infinities from each other (Python's IR for each value, each its own lambda)."""
+    values = ["0.5", "1", "1.0", "float('nan')", "float('inf')", "float('-inf')", "-0.0", "0.0"]
+    python = "from inferlet.eta import *\nasync def main(input):\n" + "".join(
+        f"    ForwardPass().epilogue(lambda: gumbel_max(intrinsics.output(0, 'logits') / {v}, 3))\n"
+        for v in values) + "    return 'traced'\n"
+    javascript = """import { ForwardPass, float, gumbelMax, intrinsics } from 'inferlet';
+export async function main(input) {
+  for (const t of [0.5, 0.5, 1, 1, float(1), float(1), NaN, NaN, Infinity, -Infinity, -Infinity,
+                   float(-0), float(0), float(-0)]) {
+    new ForwardPass().epilogue(() => gumbelMax(intrinsics.output(0, 'logits').div(t), 3));
+  }
+  return 'traced';
+}
+"""
+    py_irs = traced(Program(source=python))
+    assert len(set(py_irs)) == len(values)
+    assert traced(js(javascript)) == py_irs
+
+
 # ---------------------------------------------------------------------------------------------
 # the rest of the surface, against the engine
 

@@ -205,14 +205,22 @@ export class Channel {
 // ---------------------------------------------------------------------------------------------
 // forward passes and pipelines
 
-const programs = new Map();     // IR text -> the engine's program id (per run)
+const programs = new Map();     // a trace's JSON.stringify -> the engine's program id (per run)
 
-/** The engine's program id for the traced function `f`. JavaScript cannot look inside a
- * closure, so `f` is traced at every use; the host is asked once per distinct IR. */
+/** The engine's program id for the traced function `f`. JavaScript cannot look inside a closure
+ * (an arrow written in a loop is a new function each time, and one may read a variable that has
+ * changed since), so `f` is traced at every use. A trace's IR text (canonicalJson, which took a
+ * token's pass 0.05-0.23 ms, the trace 0.03-0.17 ms) is written, and the host asked, once per
+ * distinct trace: the engine's JSON.stringify of it, a Float apart from an int, is the key. */
 function program(f, nargs = 0) {
-  const ir = canonicalJson(trace(f, nargs));
-  if (!programs.has(ir)) programs.set(ir, call('eta.program', ir));
-  return programs.get(ir);
+  const traced = trace(f, nargs);
+  const key = JSON.stringify(traced);
+  let pid = programs.get(key);
+  if (pid === undefined) {
+    pid = call('eta.program', canonicalJson(traced));
+    programs.set(key, pid);
+  }
+  return pid;
 }
 
 const count = (shape) => shape.reduce((n, d) => n * d, 1);

@@ -21,6 +21,10 @@ export class Tensor {
 /** A number the IR writes as a float, as Python writes its floats (see float()). */
 class Float {
   constructor(value) { this.value = Number(value); }
+
+  /** In JSON.stringify of a trace (passes.js keys its programs by it), a Float stays apart from
+   * an int and from a tensor ({t}), and keeps NaN, the infinities and -0. */
+  toJSON() { return { f: Object.is(this.value, -0) ? '-0' : String(this.value) }; }
 }
 
 /** `x` as a float in the IR: float(1) is Python's 1.0 (a whole JavaScript number is an int). */
@@ -32,13 +36,16 @@ let tracing = null;     // the op list of the trace in progress
 export const isTracing = () => tracing !== null;
 
 function irArg(value) {
-  if (value instanceof Tensor) return { t: value._ref };
-  if (Array.isArray(value)) return value.map(irArg);
-  if (typeof value === 'number' && !Number.isInteger(value)) return new Float(value);
-  if (value === null || value instanceof Float || ['boolean', 'number', 'string'].includes(typeof value)) {
-    return value;
+  switch (typeof value) {
+    case 'number': return Number.isInteger(value) ? value : new Float(value);
+    case 'boolean':
+    case 'string': return value;
+    default:
+      if (value instanceof Tensor) return { t: value._ref };
+      if (Array.isArray(value)) return value.map(irArg);
+      if (value === null || value instanceof Float) return value;
+      throw new TypeError(`an eta operation cannot take ${typeof value} values`);
   }
-  throw new TypeError(`an eta operation cannot take ${typeof value} values`);
 }
 
 /** Record eta operation `op` on `args` into the trace in progress; the tensor it makes. */
