@@ -1,7 +1,7 @@
 """The `examples/` inferlets that roll a working set back, on a hybrid model: run-ahead decoding
-(its unread runs cut off when it stops) and speculative decoding (rejected drafts rewritten) give
-exactly per-token greedy decoding on a small random Qwen3.5 folder, and every page and recurrent-state
-slot returns."""
+(its unread runs cut off when it stops) and speculative decoding (rejected drafts rewritten, from
+the recurrent state kept before them) give exactly per-token greedy decoding on a small random
+Qwen3.5 folder, and every page and recurrent-state slot returns."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +12,9 @@ from tests.inferlet_helpers import EXAMPLES, idle_stats, run
 from tests.test_examples_eta import encode, greedy
 
 PROMPTS = ("The capital of France is", "one, two, three, one, two, three, one,")
+# The random model's greedy tokens after this prompt rarely repeat: with one-token drafts (n=1) one
+# of its eight drafts is accepted and the rest are rejected.
+DRAFTED = "no, red, the, no, red, the, no, red, the"
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +38,18 @@ def test_example_equals_greedy(runtime, name):
     for prompt in PROMPTS:
         out = run(runtime, (EXAMPLES / name / "main.py").read_text(), {"prompt": prompt, "max_tokens": 24})
         assert out["tokens"] == greedy(engine, encode(engine, prompt), 24), (name, prompt)
+    _all_back(runtime)
+
+
+def test_speculative_drafts_are_accepted_and_rejected(runtime):
+    """The speculative run above drafts: an accepted draft saves a pass, a rejected one is rewritten
+    from the state kept before it, and the tokens are still greedy decoding's."""
+    engine = runtime.engine
+    source = (EXAMPLES / "speculative" / "main.py").read_text()
+    out = run(runtime, source, {"prompt": DRAFTED, "max_tokens": 24, "n": 1})
+    assert out["tokens"] == greedy(engine, encode(engine, DRAFTED), 24)
+    assert 0 < out["accepted"] < out["drafted"], out
+    assert out["passes"] < len(out["tokens"])
     _all_back(runtime)
 
 
