@@ -25,11 +25,11 @@ def runtime(tmp_path_factory, default_model_dir):
 
 
 def _all_back(runtime: Runtime) -> None:
-    assert idle_stats(runtime)["kv"]["referenced"] == 0
+    stats = idle_stats(runtime)
+    assert stats["kv"]["referenced"] == 0 and stats["states"]["held"] == 0, stats
     engine = runtime.engine
     with engine._lock:
         engine.kv.check()
-        assert engine.kv.state_stats()["held"] == 0
 
 
 @pytest.mark.parametrize("name", ["run_ahead", "speculative"])

@@ -94,7 +94,7 @@ def test_a_process_whose_bound_fits_its_pages_but_not_its_state_is_refused(serve
     2 KV pages, not them and the states its pass writes (2 pages each on this model); the
     neighbour's bound of 8 holds both and it decodes transformers' greedy tokens meanwhile."""
     engine, server = served
-    assert engine.kv.state_stats()["pages_each"] == 2     # 33 KiB of state over 32 KiB a page
+    assert server.stats()["states"]["pages_each"] == 2     # 33 KiB of state over 32 KiB a page
     small = partition_root(server.secret, "small")
 
     async def main():
@@ -114,6 +114,7 @@ def test_a_process_whose_bound_fits_its_pages_but_not_its_state_is_refused(serve
         in refused.message, refused.message
     assert usage == {"pages": 0, "states": 0, "total": 0, "bound": 3}    # the failed pass left nothing
     assert tokens == hf_greedy(reference, OTHER, 4)[0]
+    assert server.stats()["states"]["held"] == 0
     _all_back(engine)
 
 

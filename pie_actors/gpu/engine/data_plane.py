@@ -140,8 +140,8 @@ class EngineServer:
         kv = self.engine.kv_stats()
         # dict() of a Counter copies in C under the GIL: safe while the engine thread increments it
         programs = self.engine.programs
-        return {"batch_sizes": dict(self.engine.batch_sizes), "kv": kv, "saved": self.engine.saved_stats(),
-                "parked": self.engine.parked_stats(),
+        return {"batch_sizes": dict(self.engine.batch_sizes), "kv": kv, "states": self.engine.state_stats(),
+                "saved": self.engine.saved_stats(), "parked": self.engine.parked_stats(),
                 "decode_batch_sizes": dict(self.engine.decode_batch_sizes),
                 "tokens_computed": self.engine.tokens_computed,
                 "row_epilogues": dict(self.engine.row_epilogues),

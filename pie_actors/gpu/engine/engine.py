@@ -186,6 +186,11 @@ class Engine:
         with self._lock:
             return self.kv.stats()
 
+    def state_stats(self) -> dict[str, int]:
+        """Recurrent-state slots (`KVStore.state_stats`; all 0 for a model without recurrent layers)."""
+        with self._lock:
+            return self.kv.state_stats()
+
     def compile_progress(self) -> compiled_decode.Progress:
         """How far the compiled decode buckets are (all 0 on an eager engine)."""
         compiled = self.worker.compiled

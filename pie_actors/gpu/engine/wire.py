@@ -174,6 +174,8 @@ class Stats(TypedDict):
     row_epilogues: dict[str, int] # epilogues run once for many passes: calls, passes they served
     step_seconds: dict[str, float]  # executed steps' time by part: plan, model, epilogue, finish; plan_cpu, finish_cpu; steps
     kv: dict[str, int]            # total, free, referenced, cached pages
+    states: dict[str, int]        # recurrent-state slots: total, free, held, snapshots, and pages_each
+                                  # (what a held one counts against a page bound); all 0 without
     saved: dict[str, int]         # saved sets by state (kept, spilled, tokens), spill_bytes,
                                   # evictions (evicted_spilled, _tokens), and opens by how they
                                   # restored (opened_kept, _spilled, _recomputed)
