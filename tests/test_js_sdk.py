@@ -149,6 +149,45 @@ export async function main(input) {
     assert traced(js(javascript)) == traced(Program(source=python))
 
 
+class TextRecorder(HostApi):
+    """A host that keeps what model.encode is asked and what is sent, answering encode with
+    the text's code points."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def call(self, op, args):
+        if op != "model.encode":
+            raise HostOpError(f"{op} is not answered here")
+        self.seen.append(args)
+        return [ord(c) for c in args]
+
+    def send(self, message: str) -> None:
+        self.seen.append(message)
+
+
+def test_text_of_every_utf8_length_reaches_the_host_as_from_python():
+    """Strings cross to the host in the runner's bindings, encoded natively: ASCII, 2-, 3- and
+    4-byte characters, short and long, arrive as the Python SDK sends them."""
+    texts = ["", "a", "é" * 3, "漢字", "😀a😀", "x" * 5000 + "ü€😀" * 700]
+    python = ("from inferlet import model, session\nasync def main(input):\n"
+              "    for text in input['texts']:\n        session.send(text)\n        model.encode(text)\n"
+              "    return {'texts': input['texts'], 'codes': [model.encode(text) for text in input['texts']]}\n")
+    javascript = ("import { model, session } from 'inferlet';\nexport async function main(input) {\n"
+                  "  for (const text of input.texts) {\n    session.send(text);\n    model.encode(text);\n  }\n"
+                  "  return { texts: input.texts, codes: input.texts.map((text) => model.encode(text)) };\n}\n")
+    runs = {}
+    for name, program in (("python", Program(source=python)), ("javascript", js(javascript))):
+        recorder = TextRecorder()
+        result = sandbox_for(program).run(program.source, {"texts": texts}, recorder)
+        runs[name] = (result, recorder.seen)
+    assert runs["javascript"] == runs["python"]
+    result, seen = runs["python"]
+    assert result["texts"] == texts and result["codes"][-1] == [ord(c) for c in texts[-1]]
+    assert seen[:4] == ["", "", "a", "a"] and seen[-1] == texts[-1]
+
+
 def test_an_epilogue_in_a_loop_is_a_new_program_only_when_its_trace_changes():
     """The same arrow traced at every pass asks the host once; when a value it closes over
     changes, the new IR is asked for, and a float stays apart from an int, -0.0 from 0.0, NaN

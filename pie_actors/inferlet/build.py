@@ -363,6 +363,7 @@ def build_bundle(bundle_dir, engine=None) -> Artifact:
 # the JavaScript runner
 
 JS_DIR = HERE / "js"                     # runner.js, the SDK (inferlet.js, sdk/), the pinned componentize-js
+JS_BUILD = JS_DIR / "build-runner.mjs"    # componentize-js, with the bindings' string hand-over made native
 # WASI left out of the JavaScript runner. Clocks stay: the runner's event loop takes its turns
 # with setTimeout, which needs them; so do random (Math.random) and stdio (console.log goes where
 # a Python inferlet's print goes).
@@ -372,7 +373,7 @@ JS_DISABLED = ("http", "fetch-event")
 def _js_sources() -> list[Path]:
     """What the JavaScript runner is built from: the runner, the SDK's modules, the pinned packages."""
     return [JS_DIR / "runner.js", JS_DIR / "inferlet.js", *sorted((JS_DIR / "sdk").glob("*.js")),
-            JS_DIR / "package-lock.json"]
+            JS_BUILD, JS_DIR / "package-lock.json"]
 
 
 def _js_key() -> str:
@@ -386,13 +387,12 @@ def _js_key() -> str:
 
 
 def componentize_js(out: Path) -> None:
-    """Run componentize-js (installed in js/node_modules by `make setup`): runner.js and the SDK
-    it imports -> component at `out`."""
+    """Run componentize-js (installed in js/node_modules by `make setup`) through build-runner.mjs:
+    runner.js and the SDK it imports -> component at `out`."""
     cli = JS_DIR / "node_modules" / ".bin" / "componentize-js"
     if not cli.is_file():
         raise RuntimeError(f"componentize-js is not installed: run `npm ci` in {JS_DIR} (make setup does)")
-    cmd = [str(cli), str(JS_DIR / "runner.js"), "--wit", str(WIT_DIR), "--world-name", WORLD,
-           "-d", *JS_DISABLED, "-o", str(out)]
+    cmd = ["node", str(JS_BUILD), str(JS_DIR / "runner.js"), str(WIT_DIR), WORLD, str(out), *JS_DISABLED]
     proc = subprocess.run(cmd, cwd=JS_DIR, capture_output=True, text=True)
     if proc.returncode != 0 or not out.is_file():
         raise RuntimeError(f"componentize-js failed (exit {proc.returncode}):\n"
