@@ -74,6 +74,9 @@ class EngineConfig:
     num_threads: int = _doc("CPU threads for the model; 0: every core this process may use", default=0)
     hugepages: bool = _doc("CPU: weights and KV pages on transparent huge pages (bench/RESULTS.md)",
                            default=True)
+    column_major_weights: bool = _doc("CPU, float32: linear weights stored column-major, which the BLAS "
+                                      "multiplies 1.5-4x faster for 2-45 rows (bench/RESULTS.md)",
+                                      default=True)
     amx_gemm_edits: bool = _doc("CPU with AMX, compiled decode: prefetch and cache-hint edits to "
                                 "inductor's AMX GEMM template (bench/RESULTS.md); ignored elsewhere",
                                 default=True)
@@ -141,7 +144,9 @@ class RunLimits:
     channel_capacity: int = _doc("what model.channel_capacity() tells programs to ask of a channel that "
                                  "buffers a whole decode", default=1024)
     kv_pages: int = _doc("KV pages the working sets of the run's owner may hold together, over all its "
-                         "runs (0: no bound; pie serve sets it per key from [serve.quotas])", default=0)
+                         "runs; on a hybrid model each recurrent-state slot they hold counts as the pages "
+                         "its bytes fill (0: no bound; pie serve sets it per key from [serve.quotas])",
+                         default=0)
     inferlets: int = _doc("processes the run's owner may run at once: a runtime.spawn past it is refused "
                           "(0: no bound; pie serve sets it per key from [serve.quotas])", default=0)
     mailbox_size: int = _doc("messages from other processes (session.send_to) a run's mailbox holds before "

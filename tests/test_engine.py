@@ -47,10 +47,22 @@ def test_batch_invariance(engine):
     assert sum(engine.batch_sizes.values()) - before == 16      # one batch per decoding step
 
 
-def test_the_huge_page_edit_leaves_greedy_tokens_unchanged(default_model_dir):
-    on, off = (make_engine(default_model_dir, num_pages=64, hugepages=flag) for flag in (True, False))
-    prompts = [on.tokenizer.encode(p) for p in PROMPTS]
-    assert on.generate(prompts, 12, ignore_eos=True) == off.generate(prompts, 12, ignore_eos=True)
+@pytest.mark.parametrize("edit", ["hugepages", "column_major_weights"])
+def test_a_cpu_speed_edit_switched_off_gives_the_same_greedy_tokens(engine, default_model_dir, edit):
+    """The engine as shipped and one with the edit off: the same tokens, prefills and decode batches."""
+    off = make_engine(default_model_dir, num_pages=64, **{edit: False})
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    assert engine.generate(prompts, 12, ignore_eos=True) == off.generate(prompts, 12, ignore_eos=True)
+    off.kv.check()
+
+
+def test_linear_weights_are_column_major_on_the_cpu_and_embeddings_are_not(engine, default_model_dir):
+    model = engine.worker.model
+    qkv = model.layers[0].self_attn.qkv_proj.weight
+    assert qkv.stride() == (1, qkv.shape[0])                  # [out, in] with W^T contiguous
+    assert model.embed_tokens.weight.is_contiguous()
+    off = make_engine(default_model_dir, num_pages=16, column_major_weights=False)
+    assert off.worker.model.layers[0].self_attn.qkv_proj.weight.is_contiguous()
 
 
 def test_generate_keeps_batches_within_the_token_budget(engine, default_model_dir):

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ...config import EngineConfig
-from ..kernels import cpu_kernels, hugepages
+from ..kernels import column_major, cpu_kernels, hugepages
 from ..kernels.attention import AttentionMetadata, LanePlan
 from ..kernels.compiled_decode import CompiledDecode
 from ..model import LlamaModel, ModelConfig, build_model
@@ -94,6 +94,8 @@ class Worker:
         self.model_dir = Path(model_dir)
         self.model = load_model(model_dir, device, dtype, self.comm)
         self.cfg = self.model.cfg
+        if config.column_major_weights and column_major.applies(device, dtype):
+            column_major.apply(self.model)        # before huge pages: these copies are what steps read
         use_hugepages = config.hugepages and device.type == "cpu"
         if use_hugepages:
             hugepages.advise(self.model.parameters())   # every decode step streams them all

@@ -6,6 +6,7 @@
     compiled_decode.py   decode batches at bucketed shapes, compiled ahead of time into packages
     amx_gemm.py          prefetch and cache-hint edits to inductor's AMX GEMM template (a setting)
     hugepages.py         weights and KV pages on transparent huge pages, CPU (a setting)
+    column_major.py      linear weights stored column-major, CPU float32 (a setting)
 """
 import os as _os
 
