@@ -11,7 +11,8 @@ are counted by the runtime (`Runtime.running`), so every front door's launches c
 can launch again once one of its inferlets has ended. Tokens are those of the API requests (their
 usage) and of the WebSocket processes (what the engine ran for each, `Done.tokens`) that ended in
 the last minute. The KV page bound travels with each launch to the engine (`RunLimits.kv_pages`),
-which fails the allocation that would go past it (kvstore `QuotaExceeded`).
+which fails the allocation that would go past it (kvstore `QuotaExceeded`); a hybrid model's
+recurrent-state slots count in it as the pages their bytes fill.
 """
 from __future__ import annotations
 
