@@ -17,20 +17,27 @@ from serve_helpers import KEY, start
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# Ray's notice that it turned token authentication on (its default for a new local cluster) and the
+# one for detached actors in an anonymous namespace: not the product's lines
+RAY_NOTICES = ("Token authentication is enabled", "anonymous namespace")
+
+
 def _pie_run(default_model_dir, *args: str) -> subprocess.CompletedProcess:
     pie = Path(sys.executable).parent / "pie"
     env = dict(os.environ, PIE_HOME=str(default_model_dir.parent.parent))
+    env.pop("RAY_AUTH_MODE", None)                 # Ray's default, as a user has it
     return subprocess.run([str(pie), "run", "--dtype", "float32", "--compile", "off", *args], capture_output=True,
                           text=True, timeout=300, env=env, cwd=ROOT)
 
 
 @pytest.mark.parametrize("where", [[], ["--local"]], ids=["ray", "local"])
 def test_quickstart_streams_then_prints_json(default_model_dir, where):
-    """By default `pie run` starts a local Ray cluster (none runs here) and uses its Controller;
-    --local runs everything in the process."""
+    """By default `pie run` starts a local Ray cluster (none runs here) and uses its Controller, and
+    prints none of Ray's notices; --local runs everything in the process."""
     out = _pie_run(default_model_dir, *where, "examples/quickstart/main.py", "--",
                    "--question", "What is the capital of France?")
     assert out.returncode == 0, out.stderr[-2000:]
+    assert not [line for line in out.stderr.splitlines() if any(n in line for n in RAY_NOTICES)], out.stderr
     *streamed, last = out.stdout.rstrip("\n").split("\n")
     result = json.loads(last)
     assert "Paris" in result["text"]
