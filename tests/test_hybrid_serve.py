@@ -38,6 +38,14 @@ def test_openai_n_forks_and_anthropic_give_the_greedy_text(server):
     response = client.responses.create(model="default", input=ASK[0]["content"], temperature=0, max_output_tokens=16)
     assert response.output_text == text
 
+    import httpx
+    metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    states = {line.split('"')[1]: int(line.split()[-1]) for line in metrics.splitlines()
+              if line.startswith("pie_recurrent_states{")}
+    # the stored response keeps its working set's state; the prefix snapshots stay for reuse
+    assert states["held"] == 1 and states["snapshots"] > 0, metrics
+    assert states["free"] + states["held"] + states["snapshots"] == states["total"]
+
 
 def test_gemini_and_the_models_architecture_on_a_hybrid_model(server):
     from google import genai

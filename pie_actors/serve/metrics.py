@@ -86,6 +86,12 @@ class Metrics:
                       "# HELP pie_kv_pages KV-cache pages: total, free, referenced by working sets, cached.",
                       "# TYPE pie_kv_pages gauge"]
             lines += [f'pie_kv_pages{{state="{state}"}} {n}' for state, n in sorted(stats.get("kv", {}).items())]
+            states = stats.get("states", {})
+            if states.get("total"):                   # a hybrid model's recurrent layers
+                lines += ["# HELP pie_recurrent_states Recurrent-state slots (hybrid models): total, free, held "
+                          "by working sets, prefix snapshots.", "# TYPE pie_recurrent_states gauge"]
+                lines += [f'pie_recurrent_states{{state="{state}"}} {states.get(state, 0)}'
+                          for state in ("total", "free", "held", "snapshots")]
             lines += ["# HELP pie_engine_batches_total Executed engine batches by their number of lanes.",
                       "# TYPE pie_engine_batches_total counter"]
             lines += [f'pie_engine_batches_total{{lanes="{size}"}} {n}'
