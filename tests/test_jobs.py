@@ -1,6 +1,6 @@
 """Bundles as Ray jobs: a manifest (pie.toml) names a bundle's entry, `ray job submit --working-dir
-DIR -- pie run main.py -- --key value` runs it on a running cluster's engine and Controller, and
-ray_cluster.yaml passes Ray's own cluster-config validation."""
+DIR -- pie run main.py -- --key value` runs it (and a JavaScript bundle's main.js) on a running
+cluster's engine and Controller, and ray_cluster.yaml passes Ray's own cluster-config validation."""
 from __future__ import annotations
 
 import copy
@@ -74,6 +74,8 @@ def test_ray_cluster_yaml_passes_rays_validation():
 
 
 def test_ray_job_submit_runs_a_bundle_on_the_clusters_engine(default_model_dir, tmp_path, monkeypatch):
+    """A Python bundle, then a JavaScript one, each a job on the same running cluster."""
+    from tests.test_js_front_doors import _bundle as js_bundle
     bundle = _bundle(tmp_path / "greeter", entry="main.py")
     bin_dir = Path(sys.executable).parent
     env = dict(os.environ, PIE_HOME=str(default_model_dir.parent.parent),
@@ -81,4 +83,7 @@ def test_ray_job_submit_runs_a_bundle_on_the_clusters_engine(default_model_dir, 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     with ray_head(env, dashboard=True) as (env, dash):
         logs = run_job(dash, bundle, "pie run --dtype float32 --compile off main.py -- --name pie")
+        assert '{"greeting": "hello pie", "model": "smollm2-135m-instruct"}' in logs
+        logs = run_job(dash, js_bundle(tmp_path / "js-greeter"), "pie run --dtype float32 --compile off main.js "
+                       "-- --name pie")
         assert '{"greeting": "hello pie", "model": "smollm2-135m-instruct"}' in logs

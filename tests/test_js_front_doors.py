@@ -1,7 +1,7 @@
 """Everywhere a Python program goes, a JavaScript one goes too: `pie run main.js -- --key value`,
 `pie run` of a bundle folder, `pie-client submit --path main.js`, a [serve.routes] endpoint written
-in JavaScript answering the official openai SDK (streaming and not), and `ray job submit` of a
-JavaScript bundle."""
+in JavaScript answering the official openai SDK (streaming and not); `ray job submit` of a
+JavaScript bundle is in tests/test_jobs.py, beside a Python one on the same cluster."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,6 @@ from pathlib import Path
 import openai
 import pytest
 
-from cluster_helpers import ray_head, run_job
 from pie_actors.inferlet.build import JS_DIR
 from serve_helpers import ASK, KEY, chat_prompt, greedy_text, start
 
@@ -90,14 +89,6 @@ def test_a_js_endpoint_answers_the_openai_sdk_and_pie_client_submits_a_js_file(d
         assert out.returncode == 0, out.stderr[-2000:]
         streamed, result = _streamed_then_json(out.stdout)
         assert "Paris" in result["text"] and streamed == result["text"]
-
-
-def test_ray_job_submit_runs_a_js_bundle_on_the_clusters_engine(default_model_dir, tmp_path, monkeypatch):
-    bundle = _bundle(tmp_path / "greeter")
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    with ray_head(_env(default_model_dir), dashboard=True) as (env, dash):
-        logs = run_job(dash, bundle, "pie run --dtype float32 --compile off main.js -- --name pie")
-        assert '{"greeting": "hello pie", "model": "smollm2-135m-instruct"}' in logs
 
 
 def test_pie_build_says_a_js_bundle_needs_no_build():
