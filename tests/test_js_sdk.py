@@ -208,6 +208,11 @@ export async function main(input) {
     py_irs = traced(Program(source=python))
     assert len(set(py_irs)) == len(values)
     assert traced(js(javascript)) == py_irs
+    # one Python lambda in a loop: its trace is reused only for a value of the same type and bits
+    in_a_loop = ("from inferlet.eta import *\nasync def main(input):\n    for t in [" + ", ".join(values) + "]:\n"
+                 "        ForwardPass().epilogue(lambda: gumbel_max(intrinsics.output(0, 'logits') / t, 3))\n"
+                 "    return 'traced'\n")
+    assert traced(Program(source=in_a_loop)) == py_irs
 
 
 # ---------------------------------------------------------------------------------------------

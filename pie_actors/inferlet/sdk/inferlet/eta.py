@@ -380,8 +380,11 @@ _PLAIN = (bool, int, float, str, type(None))
 
 
 def _key_value(v):
+    # by type and bits, not by ==: 1, 1.0 and True trace to different IR, and so do 0.0 and -0.0
+    if isinstance(v, float):
+        return float, v.hex()
     if isinstance(v, _PLAIN):
-        return v
+        return type(v), v
     if isinstance(v, Channel):
         return ("channel", v._h())
     raise TypeError
