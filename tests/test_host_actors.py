@@ -76,6 +76,18 @@ def test_processes_pack_into_host_actors_near_their_engine_and_match_a_local_run
     until(lambda: _referenced(runtime) == 0)
 
 
+def test_a_name_is_free_again_once_its_result_is_back(cluster, wants):
+    """The Controller forgets a process before its reader sees the end: a relaunch under the same
+    name right after the result is placed, and the status lists no process that has ended."""
+    runtime, _, _ = cluster
+    for _ in range(4):
+        p = runtime.launch(HOLDER, _input(0), name="again")
+        p.send("go")
+        assert p.result(120) == wants[0]
+        status = ray.get(ray.get_actor(NAME).status.remote())
+        assert "again" not in {s.name for s in status.processes}
+
+
 def test_a_killed_host_actor_fails_exactly_its_processes(cluster, wants):
     """Its processes fail with the reason, but the restartable ones (every other one) run again from
     their start; the processes of other actors never notice; every page returns."""

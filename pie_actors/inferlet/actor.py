@@ -32,6 +32,7 @@ from .run import Run, sandbox_for
 from .run_state import EngineChoice
 
 Hosted = tuple[ProcessKey, "tuple[str, int] | None", "str | None"]   # what `whereabouts` says of a run
+REPORT_TIMEOUT_S = 10.0          # the longest a run's end waits on the Controller's bookkeeping
 
 
 class InferletActor:
@@ -79,6 +80,7 @@ class InferletActor:
         with self._lock:
             self._runs[key] = (run, model)
         last: Event | None = None
+        reported = controller is None
         try:
             run.start()
             while not isinstance(last, (Done, Failed)):
@@ -86,16 +88,23 @@ class InferletActor:
                 while not events.empty():
                     batch.append(events.get_nowait())
                 last = batch[-1]
+                if isinstance(last, (Done, Failed)) and not reported:
+                    # The Controller forgets the name before the reader sees the end: a relaunch
+                    # under the same name, or a status read, right after the result finds it gone.
+                    reported = True
+                    try:
+                        await asyncio.wait_for(controller.finished.remote(key, ending(last)), REPORT_TIMEOUT_S)
+                    except Exception:     # a restarting Controller finds the run gone (whereabouts)
+                        pass
                 yield batch
         finally:
             with self._lock:
                 if self._runs.get(key, (None,))[0] is run:
                     del self._runs[key]
-            ended = isinstance(last, (Done, Failed))
-            if not ended:                 # its reader went away: the run must not go on unread
+            if not isinstance(last, (Done, Failed)):   # its reader went away: it must not go on unread
                 run.cancel("its launcher stopped reading it")
-            if controller is not None:
-                controller.finished.remote(key, ending(last) if ended else None)
+            if not reported:
+                controller.finished.remote(key, None)
 
     def deliver(self, message: Any, process: ProcessKey, sender: str | None = None) -> str:
         """A message for the `session.receive` of process `process`, from its client or from process
