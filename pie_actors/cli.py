@@ -207,8 +207,10 @@ class _Output:
 
 def _run(args: argparse.Namespace) -> int:
     """`pie run`: launch the inferlet through the launch API and print its events as they come."""
+    from .program import Program
     from .runtime import Runtime
 
+    program = Program.load(args.file)     # a wrong path is an error now, not after the engine loads
     out = _Output(args.files_out)
     files = _attached_files(args.file_attach)
     inputs = parse_inputs(args.inputs)
@@ -216,7 +218,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.allow_host:           # added to the config's list, for this run
         settings["allow_hosts"] = (*config.load().limits.allow_hosts, *args.allow_host)
     with (Runtime.local if args.local else Runtime.connect)(**settings) as runtime:
-        process = runtime.launch(args.file, inputs, name=args.name, files=files)
+        process = runtime.launch(program, inputs, name=args.name, files=files)
         try:
             return out.follow(process)
         except KeyboardInterrupt:

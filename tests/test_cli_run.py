@@ -76,10 +76,12 @@ def test_failing_inferlet_exits_1_with_its_traceback(default_model_dir, tmp_path
     assert "ZeroDivisionError" in out.stderr and "line 2" in out.stderr
 
 
-def test_missing_inferlet_is_one_clear_line(default_model_dir):
-    out = _pie_run(default_model_dir, "--local", "no/such/main.py")
+@pytest.mark.parametrize("where", [[], ["--local"]], ids=["ray", "local"])
+def test_missing_inferlet_is_one_clear_line(default_model_dir, where):
+    """Said before anything starts: no engine loads and no Ray cluster starts for a wrong path."""
+    out = _pie_run(default_model_dir, *where, "no/such/main.py")
     assert out.returncode == 1 and "no inferlet at no/such/main.py" in out.stderr
-    assert "Traceback" not in out.stderr
+    assert "Traceback" not in out.stderr and "Ray" not in out.stderr and "engine" not in out.stderr
 
 
 def test_input_arguments_parse_as_json_when_they_can():
