@@ -160,23 +160,41 @@ def test_a_second_start_loads_the_packages_and_compiles_nothing(compiled, tmp_pa
     assert start("auto", home) == {"compiled": [], "loaded": [1, 2, 4], "runs": {"4": 3}, "matches": True}
 
 
-def test_a_long_lived_engine_serves_at_once_and_compiles_its_buckets_behind(tmp_path, monkeypatch):
-    """An engine that serves for long (pie serve's), compile "on" and no package compiled yet, answers
-    at once, eager; its buckets compile behind it one at a time, the most used first, each running
-    compiled from the step after it loaded, and the tokens stay the eager engine's throughout."""
+def test_pie_serves_engine_answers_at_once_and_compiles_its_buckets_behind(default_model_dir, tmp_path, monkeypatch):
+    """pie serve's engine (a long-lived one), compile "on" and no package compiled yet, answers at
+    once, eager; its buckets compile behind it one at a time, the most used first, each running
+    compiled from the step after it loaded, and the tokens stay the eager engine's throughout.
+    Meanwhile /health answers 200 with the progress in its body, and /metrics shows it as gauges."""
+    import shutil
+
+    import httpx
+
+    from pie_actors.serve import Server
     folder = save_tiny_model("qwen3", tmp_path / "m")
+    shutil.copy(default_model_dir / "tokenizer.json", folder)          # the server loads one
     monkeypatch.setenv("PIE_HOME", str(tmp_path / "home"))
     eager = Engine.from_model(str(folder), compile=False, **KW)
     three, one, two = [[5, 6, 7], [8, 9], [10]], [[11, 12]], [[13], [14, 15]]     # buckets 4, 1 and 2
     want = {len(p): eager.generate(p, 8, ignore_eos=True) for p in (three, one, two)}
-    engine = Engine.from_model(str(folder), compile=True, compile_max_batch=4, long_lived=True, **KW).start()
-    compiled = engine.worker.compiled
-    try:
+
+    def reported(ready: int, compiling: int) -> None:
+        health = httpx.get(server.url + "/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        assert health.json()["compile"] == {"ready": ready, "total": 3, "compiling": compiling, "failed": 0}
+        metrics = httpx.get(server.url + "/metrics").text
+        assert 'pie_compiled_decode_buckets{state="total"} 3' in metrics
+        assert f'pie_compiled_decode_buckets{{state="ready"}} {ready}' in metrics
+
+    # the engine in this process, to wait on its compile
+    with Server(str(folder), port=0, engine_process=False, compile="on", compile_max_batch=4, **KW) as server:
+        engine = server.runtime.engine
+        compiled = engine.worker.compiled
         assert engine.generate(three, 8, ignore_eos=True) == want[3]
         # answered with no bucket compiled: every step eager, the three buckets to come
         progress = engine.compile_progress()
         assert (progress["ready"], progress["total"], progress["failed"]) == (0, 3, 0) and not compiled.runs
         assert compiled.wanted == {4: 7}               # its 7 decode steps (the first was a prefill)
+        reported(ready=0, compiling=1)
         compiled.wait(ready=1)                         # bucket 1: the first pick, before any request
         assert compiled.compiled_now == [1] and engine.compile_progress()["ready"] == 1
         assert engine.generate(one, 8, ignore_eos=True) == want[1] and compiled.runs == {1: 7}
@@ -187,35 +205,8 @@ def test_a_long_lived_engine_serves_at_once_and_compiles_its_buckets_behind(tmp_
         assert compiled.wait()                         # and bucket 2: all compiled
         assert compiled.compiled_now == [1, 4, 2]
         assert engine.compile_progress() == {"ready": 3, "total": 3, "compiling": 0, "failed": 0}
+        reported(ready=3, compiling=0)
+        assert "pie_compiling_decode_bucket 0" in httpx.get(server.url + "/metrics").text
         assert engine.generate(two, 8, ignore_eos=True) == want[2] and compiled.runs == {1: 7, 2: 7, 4: 7}
         assert sorted(p.name for p in compiled.packages.iterdir()) == ["bucket-1.pt2", "bucket-2.pt2", "bucket-4.pt2"]
-    finally:
-        engine.close()
     engine.kv.check()
-
-
-def test_health_and_metrics_report_the_compile_progress(default_model_dir, tmp_path, monkeypatch):
-    """pie serve answers /health with 200 while its buckets compile, with their progress in the body,
-    and /metrics shows it as gauges; both follow the bucket as it becomes ready."""
-    import shutil
-
-    import httpx
-
-    from pie_actors.serve import Server
-    folder = save_tiny_model("qwen3", tmp_path / "m")
-    shutil.copy(default_model_dir / "tokenizer.json", folder)          # the server loads one
-    monkeypatch.setenv("PIE_HOME", str(tmp_path / "home"))
-    # the engine in this process, to wait on its compile
-    with Server(str(folder), port=0, engine_process=False, compile="on", compile_max_batch=1, **KW) as server:
-        compiled = server.runtime.engine.worker.compiled
-        health = httpx.get(server.url + "/health")
-        assert health.status_code == 200 and health.json()["status"] == "ok"
-        assert health.json()["compile"] == {"ready": 0, "total": 1, "compiling": compiled.compiling, "failed": 0}
-        metrics = httpx.get(server.url + "/metrics").text
-        assert 'pie_compiled_decode_buckets{state="total"} 1' in metrics
-        assert 'pie_compiled_decode_buckets{state="ready"} 0' in metrics
-        assert compiled.wait()
-        assert httpx.get(server.url + "/health").json()["compile"] == {"ready": 1, "total": 1, "compiling": 0,
-                                                                       "failed": 0}
-        metrics = httpx.get(server.url + "/metrics").text
-        assert 'pie_compiled_decode_buckets{state="ready"} 1' in metrics and "pie_compiling_decode_bucket 0" in metrics
