@@ -68,32 +68,23 @@ def assert_buckets_1_2_4_match_eager(eager: Engine, engine: Engine) -> None:
     engine.kv.check()
 
 
-def test_compiled_decode_with_the_speed_edits_off_matches_eager(compiled):
-    """The CPU speed edits (huge pages, the AMX GEMM template edits) have switches; off, the
-    compiled engine gives the eager engine's logits all the same."""
-    folder, _, eager, _ = compiled
-    # one bucket: the switches change how the graph is built, not which buckets there are
-    engine = Engine.from_model(str(folder), compile=True, compile_max_batch=1, amx_gemm_edits=False,
-                               hugepages=False, **KW)
-    assert engine.worker.compiled.compiled_now == [1] and not engine.worker.compiled.amx_gemm_edits
-    prompts = [[5, 6, 7]]
-    for w, c in zip(_decode_logits(eager, prompts, 6), _decode_logits(engine, prompts, 6)):
-        torch.testing.assert_close(c, w, atol=1e-4, rtol=1e-4)
-
-
-def test_two_compiled_models_of_the_same_shapes_keep_their_own_weights(compiled, tmp_path):
-    """A package holds its model's frozen weights: a second model of the same shapes gets packages
-    of its own, not the first one's."""
+def test_a_second_model_with_the_speed_edits_off_keeps_its_own_weights(compiled, tmp_path):
+    """The CPU speed edits (huge pages, the AMX GEMM template edits) have switches; off, a compiled
+    engine gives its eager engine's logits all the same. A package holds its model's frozen weights:
+    this second model, of the first one's shapes, gets packages of its own, not the first one's."""
     _, _, _, first = compiled
     folder = save_tiny_model("qwen3", tmp_path / "b", seed=1)
-    second = Engine.from_model(str(folder), compile=True, compile_max_batch=1, **KW)
-    assert second.worker.compiled.compiled_now == [1]
+    # one bucket: the switches change how the graph is built, not which buckets there are
+    second = Engine.from_model(str(folder), compile=True, compile_max_batch=1, amx_gemm_edits=False,
+                               hugepages=False, **KW)
+    assert second.worker.compiled.compiled_now == [1] and not second.worker.compiled.amx_gemm_edits
     prompts = [[5, 6, 7]]                  # one lane: every step runs the compiled bucket-1 graph
-    want = _decode_logits(Engine.from_model(str(folder), compile=False, **KW), prompts, 4)
-    got = _decode_logits(second, prompts, 4)
+    want = _decode_logits(Engine.from_model(str(folder), compile=False, **KW), prompts, 6)
+    got = _decode_logits(second, prompts, 6)
     for w, c in zip(want, got):
         torch.testing.assert_close(c, w, atol=1e-4, rtol=1e-4)
-    assert not torch.allclose(_decode_logits(first, prompts, 4)[-1], got[-1])
+    assert second.worker.compiled.runs == {1: 5}
+    assert not torch.allclose(_decode_logits(first, prompts, 6)[-1], got[-1])
 
 
 def test_amx_gemm_edits_fits_this_torch():
