@@ -21,8 +21,10 @@ in the folder (as `ray job submit --working-dir DIR -- pie run main.py` does) ru
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,6 +122,17 @@ class Program:
 
 
 PACKAGE_JSON = "package.json"
+_PARSE_LOCK = threading.Lock()
+
+
+def parse_python(source: str, filename: str = "<unknown>") -> ast.Module:
+    """`ast.parse`, one thread at a time. CPython 3.11 counts the AST constructor's recursion in one
+    counter per interpreter, and a parse lets another thread in when a garbage collection inside it
+    runs finalizers: two runs starting on their threads at once (a bundle's imports are read at its
+    launch) corrupted it, and a launch failed with "SystemError: AST constructor recursion depth
+    mismatch"."""
+    with _PARSE_LOCK:
+        return ast.parse(source, filename)
 
 
 def _javascript_entry(folder: Path) -> Path | None:

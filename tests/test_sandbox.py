@@ -448,6 +448,42 @@ def test_a_bundle_the_runner_can_hold_runs_on_it_from_its_modules(sandbox):
     assert "no bundled main.py" in err.message
 
 
+def test_bundles_launched_from_many_threads_at_once_are_read_whole():
+    """Runs start on threads of their own, and a bundle's imports are read at its launch
+    (`fits_runner`). Four threads at once, with garbage collections running finalizers inside the
+    parses (which let another thread in), all get the answer: CPython 3.11's AST constructor
+    counts its recursion once per interpreter, and unguarded parses failed with "SystemError: AST
+    constructor recursion depth mismatch"."""
+    class Cycle:                                   # garbage only the cyclic collector frees
+        def __init__(self) -> None:
+            self.me = self
+
+        def __del__(self) -> None:
+            sum(range(50))
+
+    errors: list[BaseException] = []
+
+    def launches() -> None:
+        try:
+            for _ in range(150):
+                [Cycle() for _ in range(50)]
+                assert not fits_runner(BUNDLE)
+        except BaseException as e:                 # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)                    # threads take turns as often as they can
+    try:
+        threads = [threading.Thread(target=launches) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert not errors, errors[:2]
+
+
 def test_the_component_cache_keeps_the_most_recently_used(tmp_path, monkeypatch):
     import os
 

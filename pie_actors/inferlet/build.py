@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..config import pie_home
-from ..program import Manifest, Program
+from ..program import Manifest, Program, parse_python
 from .instance_pool import SLOTS, use_pool
 
 HERE = Path(__file__).resolve().parent
@@ -192,7 +192,7 @@ def bundle_imports(modules: Modules) -> tuple[list[str], list[str]]:
 def _imports(source: str, filename: str) -> list[str]:
     """The absolute imports of a module's source, as dotted names."""
     targets = []
-    for node in ast.walk(ast.parse(source, filename)):
+    for node in ast.walk(parse_python(source, filename)):
         if isinstance(node, ast.Import):
             targets += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:

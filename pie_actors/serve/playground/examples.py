@@ -10,6 +10,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ...program import parse_python
+
 __all__ = ["EXAMPLES_DIR", "examples"]
 
 # examples/ sits beside the package in a checkout (an installed wheel has none: the list is empty)
@@ -22,7 +24,7 @@ def python_inputs(source: str) -> list[dict[str, Any]]:
     """The inputs a Python main reads from its `input` dict, in the order they first appear."""
     found: dict[str, dict[str, Any]] = {}
     try:
-        tree = ast.parse(source)
+        tree = parse_python(source)
     except SyntaxError:
         return []
     for node in ast.walk(tree):
