@@ -74,9 +74,10 @@ class EngineConfig:
     num_threads: int = _doc("CPU threads for the model; 0: every core this process may use", default=0)
     hugepages: bool = _doc("CPU: weights and KV pages on transparent huge pages (bench/RESULTS.md)",
                            default=True)
-    column_major_weights: bool = _doc("CPU, float32: linear weights stored column-major, which the BLAS "
-                                      "multiplies 1.5-4x faster for 2-45 rows (bench/RESULTS.md)",
-                                      default=True)
+    cpu_linear_kernel: bool = _doc("CPU, float32, eager steps: linear layers over a few rows (decode "
+                                   "batches, short prefills) run a C++ kernel that reads each weight once, "
+                                   "where the BLAS's GEMM falls off from four rows (bench/RESULTS.md)",
+                                   default=True)
     amx_gemm_edits: bool = _doc("CPU with AMX, compiled decode: prefetch and cache-hint edits to "
                                 "inductor's AMX GEMM template (bench/RESULTS.md); ignored elsewhere",
                                 default=True)

@@ -1,5 +1,6 @@
 """The C++ kernels (pie_actors/gpu/kernels/csrc): paged decode attention equals the torch gather path and
-rejects bad shapes; the row argmax equals torch.max's indices; KV tensors sit on huge pages."""
+rejects bad shapes; a few rows' linear layer equals F.linear; the row argmax equals torch.max's
+indices; KV tensors sit on huge pages."""
 from __future__ import annotations
 
 import os
@@ -71,6 +72,38 @@ def test_kernel_rejects_bad_input():
         cpu_kernels.paged_decode_attention(torch.zeros(1, 2, 64), k, v, pages + 4, lengths, PAGE)
     with pytest.raises(RuntimeError, match="attends 17 slots, its page table covers 16"):
         cpu_kernels.paged_decode_attention(torch.zeros(1, 2, 64), k, v, pages, lengths + 16, PAGE)
+
+
+# rows: one, the edges of a 4-row tile, past LINEAR_MAX_ROWS; [out, in]: the model's shapes, and sizes
+# that are not whole tiles or whole vectors
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 17, 48, 70])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (7, 5), (1, 33), (13, 100)])
+def test_linear_rows_matches_f_linear(m, out_features, in_features):
+    g = torch.Generator().manual_seed(m * 1000 + out_features)
+    x = torch.randn(m, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g)
+    # float32 sums of up to 1,536 products in another order than the BLAS's: equal to ~1e-5 relative
+    close = dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cpu_kernels.linear_rows(x, w), torch.nn.functional.linear(x, w), **close)
+    torch.testing.assert_close(cpu_kernels.linear_rows(x, w, b), torch.nn.functional.linear(x, w, b), **close)
+
+
+def test_linear_rows_layouts_and_bad_input():
+    x, w = torch.randn(2, 3, 64), torch.randn(40, 64)
+    y = cpu_kernels.linear_rows(x, w)                              # leading dimensions kept
+    assert y.shape == (2, 3, 40)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cpu_kernels.linear_rows(x[:, ::2], w.t().contiguous().t()),   # strided views
+                               torch.nn.functional.linear(x[:, ::2], w), rtol=1e-4, atol=1e-4)
+    compiled = torch.compile(cpu_kernels.linear_rows, fullgraph=True)
+    torch.testing.assert_close(compiled(x, w), y)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernels.linear_rows(x.double(), w.double())
+    with pytest.raises(RuntimeError, match="do not match"):
+        cpu_kernels.linear_rows(x, torch.randn(40, 63))
+    with pytest.raises(RuntimeError, match="bias"):
+        cpu_kernels.linear_rows(x, w, torch.randn(39))
 
 
 @pytest.mark.parametrize("shape", [(32, 49152), (1, 49152), (3, 7), (2, 64), (4, 65), (5, 1000), (1, 1)])

@@ -9,6 +9,7 @@ import torch
 
 from pie_actors.gpu.engine import Lane, PassError, PassRequest
 from pie_actors.kvstore import OutOfPages, UnknownSequence
+from pie_actors.gpu.kernels import cpu_kernels
 from tests.engine_helpers import make_engine
 
 ARGMAX = lambda logits: int(logits[-1].argmax())    # noqa: E731
@@ -47,7 +48,7 @@ def test_batch_invariance(engine):
     assert sum(engine.batch_sizes.values()) - before == 16      # one batch per decoding step
 
 
-@pytest.mark.parametrize("edit", ["hugepages", "column_major_weights"])
+@pytest.mark.parametrize("edit", ["hugepages", "cpu_linear_kernel"])
 def test_a_cpu_speed_edit_switched_off_gives_the_same_greedy_tokens(engine, default_model_dir, edit):
     """The engine as shipped and one with the edit off: the same tokens, prefills and decode batches."""
     off = make_engine(default_model_dir, num_pages=64, **{edit: False})
@@ -56,13 +57,23 @@ def test_a_cpu_speed_edit_switched_off_gives_the_same_greedy_tokens(engine, defa
     off.kv.check()
 
 
-def test_linear_weights_are_column_major_on_the_cpu_and_embeddings_are_not(engine, default_model_dir):
-    model = engine.worker.model
-    qkv = model.layers[0].self_attn.qkv_proj.weight
-    assert qkv.stride() == (1, qkv.shape[0])                  # [out, in] with W^T contiguous
-    assert model.embed_tokens.weight.is_contiguous()
-    off = make_engine(default_model_dir, num_pages=16, column_major_weights=False)
-    assert off.worker.model.layers[0].self_attn.qkv_proj.weight.is_contiguous()
+def test_linear_layers_of_a_few_rows_run_the_cpu_kernel(engine, default_model_dir):
+    """Decode steps and short prefills run every linear layer, the LM head's too, through the kernel;
+    a long prefill and an engine with the switch off run the BLAS's."""
+    def kernel_calls(eng, lanes: int, tokens: int) -> int:
+        seqs = [eng.create_sequence() for _ in range(lanes)]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            done = eng.submit(PassRequest([Lane(s, list(range(100, 100 + tokens))) for s in seqs], ARGMAX))
+            eng.run_until_idle()
+            done.result()
+        for s in seqs:
+            eng.free(s)
+        return sum(e.count for e in prof.key_averages() if e.key == "pie_cpu::linear_rows")
+    layers = engine.model_config.num_layers * 5 + 1            # qkv, o, gate, up, down a layer; the LM head
+    assert kernel_calls(engine, 4, 1) == layers                 # one pass of 4 lanes: one batch of 4 rows
+    assert kernel_calls(engine, 1, 2 * cpu_kernels.LINEAR_MAX_ROWS) == 1   # a long prefill: only the LM head's row
+    off = make_engine(default_model_dir, num_pages=16, cpu_linear_kernel=False)
+    assert kernel_calls(off, 2, 1) == 0
 
 
 def test_generate_keeps_batches_within_the_token_budget(engine, default_model_dir):

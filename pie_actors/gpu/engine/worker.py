@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ...config import EngineConfig
-from ..kernels import column_major, cpu_kernels, hugepages
+from ..kernels import cpu_kernels, hugepages
 from ..kernels.attention import AttentionMetadata, LanePlan
 from ..kernels.compiled_decode import CompiledDecode
 from ..model import LlamaModel, ModelConfig, build_model
@@ -22,7 +22,7 @@ from ..model.config import FULL_ATTENTION
 from ..model.qwen3_5 import RecurrentMetadata, recurrent_state, recurrent_state_bytes
 from ..model.adapters import AdapterUse
 from ..model.loader import load_checkpoint
-from ..model.tp import Comm, join_group
+from ..model.tp import Comm, join_group, use_row_kernel
 
 
 @dataclass
@@ -94,8 +94,8 @@ class Worker:
         self.model_dir = Path(model_dir)
         self.model = load_model(model_dir, device, dtype, self.comm)
         self.cfg = self.model.cfg
-        if config.column_major_weights and column_major.applies(device, dtype):
-            column_major.apply(self.model)        # before huge pages: these copies are what steps read
+        if config.cpu_linear_kernel and device.type == "cpu" and dtype == torch.float32 and cpu_kernels.load():
+            use_row_kernel(self.model)
         use_hugepages = config.hugepages and device.type == "cpu"
         if use_hugepages:
             hugepages.advise(self.model.parameters())   # every decode step streams them all

@@ -2,11 +2,11 @@
 
     attention.py         paged attention over a flat slot array (prefill and decode forms)
     triton_attention.py  paged decode attention in Triton (CUDA)
-    cpu_kernels.py       builds and calls csrc/*.cpp: CPU paged decode attention and greedy argmax
+    cpu_kernels.py       builds and calls csrc/*.cpp: CPU paged decode attention, a few rows'
+                         linear layer (a setting), greedy argmax
     compiled_decode.py   decode batches at bucketed shapes, compiled ahead of time into packages
     amx_gemm.py          prefetch and cache-hint edits to inductor's AMX GEMM template (a setting)
     hugepages.py         weights and KV pages on transparent huge pages, CPU (a setting)
-    column_major.py      linear weights stored column-major, CPU float32 (a setting)
 """
 import os as _os
 

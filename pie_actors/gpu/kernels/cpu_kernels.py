@@ -1,8 +1,10 @@
-"""CPU kernels in C++ (csrc/), built at first use: paged decode attention and a row argmax.
+"""CPU kernels in C++ (csrc/), built at first use: paged decode attention, a few rows' linear layer,
+a row argmax.
 
 `paged_decode_attention` reads each lane's K and V pages where they lie, the CPU counterpart of the
-Triton kernel (triton_attention.py); `argmax_rows` is greedy sampling's argmax over the logits.
-Both are compiled once per machine with torch's extension builder (g++ and ninja, ~25 s; cached
+Triton kernel (triton_attention.py); `linear_rows` is x W^T for decode batches and short prefills,
+reading the weights once; `argmax_rows` is greedy sampling's argmax over the logits.
+They are compiled once per machine with torch's extension builder (g++ and ninja, ~25 s; cached
 under ~/.cache/torch_extensions) for the host's vector ISA. Where they cannot be built, `load` says
 why once and returns False, and their callers keep torch ops.
 """
@@ -20,7 +22,11 @@ import torch
 log = logging.getLogger(__name__)
 
 HEAD_DIMS = (64, 128)                   # the attention kernel's compiled head sizes
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "argmax.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.cpp", "linear_rows.cpp", "argmax.cpp")]
+# Up to this many rows, `linear_rows` beats the BLAS's GEMM on the model's weights; from here on the
+# product is bound by arithmetic, which the BLAS's packed GEMM does better (bench/RESULTS.md, "Linear
+# layers: a few rows").
+LINEAR_MAX_ROWS = 56
 _loaded: bool | None = None             # None: not tried yet
 # compiler flags by torch's CPU capability; vec.h picks its code path from the macros they set
 _MARCH = {"avx512": ["-march=native"], "avx2": ["-march=native", "-mno-avx512f"],
@@ -52,6 +58,7 @@ def load() -> bool:
                            extra_cflags=["-O3", *_MARCH.get(isa, _MARCH["default"]), "-fopenmp"],
                            extra_ldflags=["-fopenmp"])
             torch.library.register_fake("pie_cpu::paged_decode_attention")(_fake_attention)
+            torch.library.register_fake("pie_cpu::linear_rows")(_fake_linear)
             torch.library.register_fake("pie_cpu::argmax_rows")(_fake_argmax)
             _loaded = True
         except Exception as e:          # no compiler, no ninja, an unsupported platform
@@ -82,6 +89,10 @@ def _fake_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+def _fake_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 def _fake_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.new_empty(logits.shape[0], dtype=torch.long)
 
@@ -92,6 +103,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     lengths [B] int32 (slots attended). Returns [B, Hq, D]. Call `load` first."""
     return torch.ops.pie_cpu.paged_decode_attention(q, k_cache, v_cache, pages, lengths, page_size,
                                                     q.shape[-1] ** -0.5)
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for float32 CPU tensors, weight [out, in]; it pays for up to
+    `LINEAR_MAX_ROWS` rows of x (model/tp.py `linear`). Call `load` first."""
+    return torch.ops.pie_cpu.linear_rows(x, weight, bias)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from ..kernels.attention import AttentionMetadata, LanePlan
 from .adapters import AdapterUse, adapt
 from .config import LINEAR_ATTENTION, ModelConfig
 from .llama import MLP, Adapt, Attention, LlamaModel, RMSNorm
-from .tp import Comm
+from .tp import ColumnParallelLinear, Comm
 
 CHUNK = 64                                 # rows per chunk of the chunked delta rule
 
@@ -167,16 +167,17 @@ class GatedDeltaNet(nn.Module):
         if self.hv % self.hk:
             raise ValueError(f"{self.hv} value heads are not a multiple of {self.hk} key heads")
         channels = _conv_channels(cfg)
-        self.in_proj_qkv = nn.Linear(cfg.hidden_size, channels, bias=False)
-        self.in_proj_z = nn.Linear(cfg.hidden_size, self.hv * self.dv, bias=False)
-        self.in_proj_b = nn.Linear(cfg.hidden_size, self.hv, bias=False)
-        self.in_proj_a = nn.Linear(cfg.hidden_size, self.hv, bias=False)
+        # single-rank layers (hybrid models run without tensor parallelism), for `linear`'s CPU kernel
+        self.in_proj_qkv = ColumnParallelLinear(cfg.hidden_size, channels, False, Comm())
+        self.in_proj_z = ColumnParallelLinear(cfg.hidden_size, self.hv * self.dv, False, Comm())
+        self.in_proj_b = ColumnParallelLinear(cfg.hidden_size, self.hv, False, Comm())
+        self.in_proj_a = ColumnParallelLinear(cfg.hidden_size, self.hv, False, Comm())
         self.conv1d = nn.Module()         # the checkpoint's depthwise Conv1d: only its weight is used
         self.conv1d.weight = nn.Parameter(torch.zeros(channels, 1, cfg.linear_conv_kernel), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.ones(self.hv), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(self.hv), requires_grad=False)
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.hv * self.dv, cfg.hidden_size, bias=False)
+        self.out_proj = ColumnParallelLinear(self.hv * self.dv, cfg.hidden_size, False, Comm())
 
     def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], meta: RecurrentMetadata
                 ) -> torch.Tensor:

@@ -16,6 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import cpu_kernels
+
 
 class Comm:
     """Collectives across the tensor-parallel group. The single-rank base class is the identity."""
@@ -125,8 +127,20 @@ def _check_divisible(n: int, comm: Comm, what: str) -> None:
         raise ValueError(f"{what}={n} is not divisible by tensor-parallel size {comm.world_size}")
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_kernel: bool) -> torch.Tensor:
+    """x W^T + b. With `row_kernel` (the engine's `cpu_linear_kernel`, set by `use_row_kernel`), up to
+    `LINEAR_MAX_ROWS` rows run the CPU kernel that reads the weights once (cpu_kernels.py); compiled
+    graphs keep F.linear, whose weights inductor packs for its own GEMM."""
+    if (row_kernel and x.numel() <= cpu_kernels.LINEAR_MAX_ROWS * x.shape[-1]
+            and not torch.compiler.is_compiling()):
+        return cpu_kernels.linear_rows(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W split along output features; each rank returns its slice of y."""
+
+    row_kernel = False          # see `linear`
 
     def __init__(self, in_features: int, out_features: int, bias: bool, comm: Comm):
         super().__init__()
@@ -144,7 +158,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(_shard(loaded, 0, self.comm))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.row_kernel)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -175,6 +189,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T with W split along input features; partial products are all-reduced."""
 
+    row_kernel = False          # see `linear`
+
     def __init__(self, in_features: int, out_features: int, bias: bool, comm: Comm):
         super().__init__()
         _check_divisible(in_features, comm, "in_features")
@@ -191,7 +207,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded if loaded.dim() == 1 else _shard(loaded, 1, self.comm))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce(F.linear(x, self.weight))
+        y = self.comm.all_reduce(linear(x, self.weight, None, self.row_kernel))
         return y if self.bias is None else y + self.bias
 
 
@@ -223,5 +239,16 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection split by vocabulary; logits are gathered so every rank holds all of them."""
 
+    row_kernel = False          # see `linear`
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return self.comm.all_gather(F.linear(hidden, self.weight), dim=-1)
+        return self.comm.all_gather(linear(hidden, self.weight, None, self.row_kernel), dim=-1)
+
+
+def use_row_kernel(model: nn.Module) -> int:
+    """Switch every linear layer of `model`, the LM head included, to `linear`'s CPU kernel for a few
+    rows; the number switched. The caller checks that the kernel applies (CPU, float32) and builds."""
+    layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))]
+    for layer in layers:
+        layer.row_kernel = True
+    return len(layers)
