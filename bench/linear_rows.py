@@ -60,7 +60,7 @@ def gemm_table(engine: Engine, rounds: int) -> str:
             torch.testing.assert_close(cpu_kernels.linear_rows(x, row[0]), F.linear(x, row[0]), rtol=1e-4, atol=1e-4)
             runs = {"row": lambda: [F.linear(x, w) for w in row], "column": lambda: [F.linear(x, w) for w in column],
                     "kernel": lambda: [cpu_kernels.linear_rows(x, w) for w in row]}
-            took = {name: [] for name in runs}
+            took = {how: [] for how in runs}
             for _ in range(rounds):
                 for how, run in runs.items():
                     took[how].append(_median_ms(run, 3) * 1e3 / len(row))

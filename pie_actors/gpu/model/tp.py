@@ -245,10 +245,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self.comm.all_gather(linear(hidden, self.weight, None, self.row_kernel), dim=-1)
 
 
-def use_row_kernel(model: nn.Module) -> int:
+def use_row_kernel(model: nn.Module) -> None:
     """Switch every linear layer of `model`, the LM head included, to `linear`'s CPU kernel for a few
-    rows; the number switched. The caller checks that the kernel applies (CPU, float32) and builds."""
-    layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))]
-    for layer in layers:
-        layer.row_kernel = True
-    return len(layers)
+    rows. The caller checks that the kernel applies (CPU, float32) and builds."""
+    for layer in model.modules():
+        if isinstance(layer, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+            layer.row_kernel = True

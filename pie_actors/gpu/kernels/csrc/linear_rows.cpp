@@ -3,9 +3,10 @@
 // Decode batches of 2-32 lanes and short prefills are matrix products of a few rows against weights
 // far larger than the caches, so their cost is reading the weights once. MKL's GEMM does that for one
 // or two rows, but from four rows on its transposed-B path falls off a cliff here (qkv at 4 rows:
-// 509 µs against 124 at one; bench/RESULTS.md, "Linear layers: a few rows"). This kernel streams W once in the
-// order it lies: each task takes kN consecutive weight rows and dots them with every row of x, kM rows
-// at a time, so the weight rows stay in L1 while x (a few KB per row) stays in L1 or L2. The first kM
+// 509 µs against 124 at one; bench/RESULTS.md, "Linear layers: a few rows"). This kernel streams W
+// once in the order it lies: each task takes kN consecutive weight rows and dots them with every row
+// of x, kM rows at a time, so the weight rows stay in L1 while x (a few KB per row) stays in L1 or
+// L2. The first kM
 // rows, which read the weight rows from memory, ask for the next task's rows ahead: without that,
 // 2-8 rows ran 1.1-1.3x slower. Past a few dozen rows the product is bound by arithmetic, where the
 // BLAS's packed GEMM is better (cpu_kernels.LINEAR_MAX_ROWS).
@@ -26,7 +27,8 @@ constexpr int64_t kVec = Vec::size();
 constexpr int64_t kM = 4, kN = kVec >= 16 ? 4 : 3;
 
 // The M x N (kM x kN, or fewer at the edges) dot products of rows x[0..M) and w[0..N), each `k` long;
-// with Prefetch, the same columns of the next N weight rows are asked for as these are read.
+// with Prefetch, the same columns of the next N weight rows are asked for as these are read (past the
+// last rows too: a prefetch never faults).
 template <int M, int N, bool Prefetch>
 inline void tile(const float* x, const float* w, int64_t k, float (&out)[kM][kN]) {
   Vec acc[M][N];
