@@ -6,19 +6,21 @@ section of its title, so the file always shows the latest run of each question.
 from __future__ import annotations
 
 import datetime
-import os
 import platform
 import shlex
 import sys
 from typing import Any
+
+from pie_actors import cpu_cores
 
 # /proc/cpuinfo flags that decide which CPU kernels run, and how the host line names them
 CPU_FLAGS = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16"}
 
 
 def host_line() -> str:
-    """The machine in one line: CPU model, cores this process may use, the CPU_FLAGS it has, the OS,
-    and torch's version if torch is already imported (this module never imports it)."""
+    """The machine in one line: CPU model, cores the runtime's processes may use (this one may since
+    have moved off a CPU engine's: cpu_cores.py), the CPU_FLAGS it has, the OS, and torch's version
+    if torch is already imported (this module never imports it)."""
     model, flags = platform.machine() or "unknown CPU", None
     try:
         with open("/proc/cpuinfo") as f:
@@ -31,7 +33,7 @@ def host_line() -> str:
                     break
     except OSError:
         pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = len(cpu_cores.ALLOWED)
     if flags is None:
         features = "CPU flags unknown"
     else:

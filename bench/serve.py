@@ -2,7 +2,8 @@
 same weights, and the engine's own batched decode, in one run.
 
     python bench/serve.py [--concurrency 1,4,16,32] [--tokens 64] [--systems serve,llamacpp,engine]
-                          [--dtype bfloat16] [--compile auto] [--threads N] [--cluster] [--quick]
+                          [--dtype bfloat16] [--compile auto] [--threads N] [--pin-cores on] [--cluster]
+                          [--quick]
                           [--out bench/RESULTS.md]
 
 At each concurrency C, C clients (the async `openai` client, chat.completions with stream=True, in a
@@ -370,6 +371,9 @@ def main() -> None:
                     help="the engine's compiled decode (pie serve's default: auto, on for this CPU when it has AVX2)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="CPU threads of the engine and of llama.cpp (default: every core)")
+    ap.add_argument("--pin-cores", default="on", choices=("on", "off"),
+                    help="the served engine's pin_cores (cpu_cores.py: with --threads below the cores, its "
+                         "model thread on cores of its own and the host processes off them)")
     ap.add_argument("--cluster", action="store_true",
                     help="pie serve on a Ray cluster of its own (what `pie serve` runs without --local: the "
                          "engine in its actor, each request an inferlet actor from a warm pool of C+2), with "
@@ -404,7 +408,8 @@ def main() -> None:
         # compile only the decode buckets this run can fill (each takes minutes to compile on 2 cores)
         settings = dict(dtype=args.dtype, compile=args.compile, compile_max_batch=max(levels), num_threads=args.threads)
         cluster = {"local": False} if args.cluster else {}
-        server = Server(MODEL, port=0, engine_process=not (args.cluster or args.one_process), **cluster, **settings)
+        server = Server(MODEL, port=0, engine_process=not (args.cluster or args.one_process), **cluster, **settings,
+                        pin_cores=args.pin_cores == "on")
         stack.callback(server.close)
         server.start().wait_ready(SERVE_START_S)
         print(f"pie serve ready in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
@@ -446,7 +451,8 @@ def main() -> None:
     where = ("on a Ray cluster of its own, engine.generate in the driver" if args.cluster else
              "in one process" if args.one_process else
              "with its engine in a child process, engine.generate in the driver")
-    env = (f"SmolLM2-135M-Instruct, {args.threads} thread{'s' if args.threads > 1 else ''}; pie serve {where}; "
+    env = (f"SmolLM2-135M-Instruct, {args.threads} thread{'s' if args.threads > 1 else ''}; pie serve {where}, "
+           f"pin_cores {args.pin_cores}; "
            f"pie serve and engine.generate {dtype}, {compiled}{llama}; "
            f"{max_tokens} completion tokens a request, greedy; requests a level: "
            f"{', '.join(f'{requests(c)} at C={c}' for c in levels)}; one unstreamed reply's usage "

@@ -72,6 +72,10 @@ class EngineConfig:
     compile_max_batch: int = _doc("the largest decode batch (lanes) that runs compiled; larger ones run eager",
                                   default=64)
     num_threads: int = _doc("CPU threads for the model; 0: every core this process may use", default=0)
+    pin_cores: bool = _doc("CPU, num_threads below the machine's cores: an engine in a process of its own "
+                           "(the cluster's engine actors and ranks, Runtime.local's engine_process) runs its "
+                           "model threads on cores of their own, and the runtime's other processes keep off "
+                           "them (cpu_cores.py, bench/RESULTS.md)", default=True)
     hugepages: bool = _doc("CPU: weights and KV pages on transparent huge pages (bench/RESULTS.md)",
                            default=True)
     cpu_linear_kernel: bool = _doc("CPU, float32, eager steps: linear layers over a few rows (decode "

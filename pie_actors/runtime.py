@@ -23,6 +23,7 @@ import time
 from functools import partial
 from typing import Any, Callable
 
+from . import cpu_cores
 from .config import Config, RunLimits, load
 from .gpu.engine.wire import EngineAddress
 from .inferlet.peers import GONE, Endings, UnknownProcess, ending
@@ -94,6 +95,7 @@ class Runtime:
     def start(self, launch: Launch) -> Process:
         """Start a launch built already (what `launch` does once it has built one; a parent's
         `runtime.spawn` starts its child's here)."""
+        cpu_cores.keep_off()       # this process's threads (the sandboxes', pie serve's) off a CPU engine's cores
         return self._backend.launch(launch)
 
     def saved(self, owner: str | None = None) -> list[dict[str, Any]]:
@@ -146,6 +148,7 @@ class Runtime:
     def close(self) -> None:
         """Stop this runtime's running programs (local) and what it started."""
         self._backend.close()
+        cpu_cores.keep_off()       # back onto the cores its engine had, once that has ended
 
 
 # ---- in this process -----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Iterator
 import ray
 from ray.cluster_utils import Cluster
 
+from pie_actors import cpu_cores
 from pie_actors.controller import NAMESPACE
 
 # greedy decoding of token ids, each new token also streamed (session.send)
@@ -112,13 +113,28 @@ async def main(input):
 """
 
 
-DUMMY = dict(model="dummy", device="cpu", dtype="float32", compile="off", num_pages=256, num_threads=1)
+# The control plane's tests: a dummy engine of one thread, which takes no core of its own (pin_cores:
+# it would sit idle while dozens of host actors start on the one left; test_cpu_cores.py pins it).
+DUMMY = dict(model="dummy", device="cpu", dtype="float32", compile="off", num_pages=256, num_threads=1,
+             pin_cores=False)
+
+
+def every_core() -> None:
+    """This process's threads back on every core it started with: cpu_cores.py moves them off a CPU
+    engine's, and what it starts next (a cluster's processes) would inherit that."""
+    for tid in os.listdir("/proc/self/task") if cpu_cores.SUPPORTED else ():
+        try:
+            os.sched_setaffinity(int(tid), cpu_cores.ALLOWED)
+        except OSError:                     # a thread that ended meanwhile
+            pass
+    cpu_cores._kept_off = cpu_cores.ALLOWED
 
 
 @contextmanager
 def two_nodes() -> Iterator[tuple[Cluster, dict[str, str], object]]:
     """(the Cluster, node ids by letter, node b's handle): node "a" is the head, "b" a worker, one
     CPU each, told apart by a custom resource; this process is its driver (namespace "pie")."""
+    every_core()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 1},
                                                             "include_dashboard": False})
     worker = cluster.add_node(num_cpus=1, resources={"node_b": 1})

@@ -11,6 +11,7 @@ import torch
 
 from pie_actors.config import DEFAULT_MODEL, pie_home
 from pie_actors import model_store
+from tests.cluster_helpers import every_core
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +39,12 @@ def runtime(default_model_dir):
     with Runtime.local(str(default_model_dir), dtype="float32", num_pages=256, timeout_s=120,
                        compile="off") as rt:
         yield rt
+
+
+@pytest.fixture(scope="module", autouse=True)
+def on_every_core():
+    yield
+    every_core()
 
 
 @pytest.fixture

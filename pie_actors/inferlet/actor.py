@@ -22,6 +22,7 @@ import threading
 from functools import partial
 from typing import Any, AsyncIterator
 
+from .. import cpu_cores
 from ..gpu.engine.wire import EngineAddress
 from ..launch import Launch, ProcessKey
 from ..placement import FirstPassChoice
@@ -39,6 +40,7 @@ class InferletActor:
     """Plain class; the Ray actor is `inferlet_actor()` (see there)."""
 
     def __init__(self) -> None:
+        cpu_cores.keep_off()               # onto every core but a CPU engine's (its raylet's mask may be narrower)
         sandbox_for(Program())             # the runner component, loaded before the first launch
         self._lock = threading.Lock()
         self._runs: dict[ProcessKey, tuple[Run, str | None]] = {}   # key -> its Run, and its model when
@@ -69,6 +71,7 @@ class InferletActor:
         the run is process `launch.key` of the Controller's table: `session.send_to` reaches the
         owner's other processes, the Controller chooses the engine at the first pass when the launch
         left it to that (a FirstPassChoice), and the actor tells the Controller when the run ends."""
+        cpu_cores.keep_off()               # a CPU engine that started since may have taken cores
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         key = launch.key

@@ -21,7 +21,8 @@ class EngineActor:
 
     def __init__(self, config: EngineConfig, host: str = "0.0.0.0", port: int = 0, long_lived: bool = True):
         self.config = config
-        self.server, (self.host, self.port, _) = serve_model(config, host, port, long_lived=long_lived)
+        self.server, (self.host, self.port, _) = serve_model(config, host, port, long_lived=long_lived,
+                                                              own_process=True)
         self.engine = self.server.engine
         if self.host in ("0.0.0.0", "::", ""):
             import ray

@@ -623,10 +623,10 @@ _OPS: dict[str, _Op] = {                     # every request the data plane answ
 del C
 
 
-def serve_model(config: EngineConfig, host: str = "127.0.0.1", port: int = 0, *, long_lived: bool = False
-                ) -> tuple[EngineServer, wire.EngineAddress]:
-    """Build the engine `config` describes (see `Engine.from_config` for `long_lived`), start its
-    batching loop and serve it. Returns the server and its address (with its secret); stop with `server.close();
-    server.engine.close()`."""
-    server = EngineServer(Engine.from_config(config, long_lived=long_lived).start())
+def serve_model(config: EngineConfig, host: str = "127.0.0.1", port: int = 0, *, long_lived: bool = False,
+                own_process: bool = False) -> tuple[EngineServer, wire.EngineAddress]:
+    """Build the engine `config` describes (see `Engine.from_config` for `long_lived`, `Engine.start`
+    for `own_process`), start its batching loop and serve it. Returns the server and its address
+    (with its secret); stop with `server.close(); server.engine.close()`."""
+    server = EngineServer(Engine.from_config(config, long_lived=long_lived).start(own_process))
     return server, server.start(host, port)

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ... import cpu_cores
 from ...config import EngineConfig, load, pick_device, pick_dtype
 from ...kvstore import ROOT, KVStore
 from ...model_store import resolve_model
@@ -96,6 +97,7 @@ class Engine:
         self.saved, self.parked = SavedSets(spill), ParkedSets(spill)
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.cores = cpu_cores.ModelCores()           # the cores its model thread has to itself (`start`)
 
     @classmethod
     def from_model(cls, model: str = "", *, long_lived: bool = False, progress: bool = True,
@@ -416,8 +418,10 @@ class Engine:
             self.scheduler.stop(req, keep)
 
     # ---- background loop ---------------------------------------------------------------------
-    def start(self) -> "Engine":
-        """Serve submitted passes from a background thread until `close`.
+    def start(self, own_process: bool = False) -> "Engine":
+        """Serve submitted passes from a background thread until `close`. `own_process`: the engine
+        has its process to itself (an engine actor, an engine child), so on the CPU its model
+        thread takes cores of its own (`cpu_cores.ModelCores`).
 
         It freezes the heap the process has built so far (`gc.freeze`): the model, the tokenizer
         and the libraries hold some 330,000 objects, and a full collection walking them holds the
@@ -426,12 +430,15 @@ class Engine:
         closed engine leaves in reference cycles is collected."""
         gc.collect()
         gc.freeze()
+        if own_process:
+            self.cores = cpu_cores.ModelCores.for_engine(self.config, self.worker.device.type)
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
         return self
 
     def _loop(self) -> None:
         while True:
+            self.cores.hold()     # at its start, and again while an ending engine's process holds them
             with self._lock:
                 while True:
                     if self._stopping:
@@ -453,6 +460,7 @@ class Engine:
         if self._thread:
             self._thread.join()
             gc.unfreeze()
+        self.cores.release()
         if self._remote:
             import ray
             self.worker.comm.broadcast_object(None)

@@ -225,7 +225,7 @@ def _serve(config: EngineConfig, long_lived: bool, pipe: Any) -> None:
     from .data_plane import serve_model
 
     try:
-        server, address = serve_model(config, long_lived=long_lived)
+        server, address = serve_model(config, long_lived=long_lived, own_process=True)
     except BaseException as e:
         pipe.send((False, e))
         return

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ... import cpu_cores
 from ...config import EngineConfig
 from ..kernels import cpu_kernels, hugepages
 from ..kernels.attention import AttentionMetadata, LanePlan
@@ -175,11 +176,14 @@ class Worker:
             k.index_copy_(1, slots, host_k.to(k.device))
             v.index_copy_(1, slots, host_v.to(v.device))
 
-    def serve(self) -> None:
-        """Ranks > 0: run every plan rank 0 broadcasts until it broadcasts None."""
+    def serve(self, cores: cpu_cores.ModelCores) -> None:
+        """Ranks > 0: run every plan rank 0 broadcasts until it broadcasts None, on `cores` (the
+        rank's actor has its process to itself)."""
         while (plan := self.comm.broadcast_object()) is not None:
+            cores.hold()
             self.execute(plan)
         self.comm.close()
+        cores.release()
 
 
 class WorkerActor:
@@ -201,7 +205,7 @@ class WorkerActor:
         # The process group is joined here, not in __init__, because joining blocks until rank 0 joins too.
         comm = join_group(self.rank, self.config.tp, self.init_method, self.device)
         Worker(self.model_dir, self.config, device=self.device, dtype=self.dtype, num_pages=self.num_pages,
-               comm=comm).serve()
+               comm=comm).serve(cpu_cores.ModelCores.for_engine(self.config, self.device.type))
 
 
 def start_remote_ranks(config: EngineConfig, model_dir: str, device: torch.device, dtype: torch.dtype,
