@@ -17,8 +17,9 @@ engine actor on a local Ray cluster), N programs are launched at once, each gree
 against `engine.generate` of the same N prompts batched in this process. The two alternate,
 `--rounds` times a row, each round on prompts that neither has seen (so no prefix cache favours
 either), and a row gives the median of the rounds' ratios: the machines are shared, and their speed
-drifts by more than the gaps measured. The Ray rows are compared with the local rounds' median
-engine.generate (same engine settings, same machine). Wall time runs from the first launch to the
+drifts by more than the gaps measured. The Ray rounds too alternate with engine.generate in this
+process (its engine idle meanwhile), so the ratio of a Ray row to the local row of the same N is the
+cluster path against the local one with the drift between their rounds taken out. Wall time runs from the first launch to the
 last result; tokens/s = N x tokens / wall time (the median round's). Per row: the decode-step
 histogram (lanes: steps) of the median round from the engine's statistics, and, in process, the CPU
 time per token of the program side (the sandboxed guest and its host: the threads each run starts,
@@ -144,47 +145,40 @@ def main() -> None:
                 with Runtime.local(engine_process=True, **settings) as child:
                     program_rows += measure(kind, "child", child, local, loops, clients, args.tokens, args.rounds,
                                             generate)
-            if not generate[clients[0]]:                                # the Ray rows' baseline alone
-                for n in clients:
-                    generate[n] = [reference(local, n, args.tokens) for _ in range(args.rounds)]
+            if "ray" in args.paths:
+                import ray
+                from pie_actors.runtime import start_ray
+
+                start_ray("local")    # a cluster of its own, as Runtime.connect starts it (its workers at nice 0)
+                try:
+                    with Runtime.connect(**settings) as cluster:
+                        program_rows += measure(kind, "ray", cluster, local, loops, clients, args.tokens,
+                                                args.rounds, generate)
+                finally:
+                    ray.shutdown()
             for n in clients:
                 rows.append(f"| {kind} | engine.generate | – | {n} | {statistics.median(generate[n]):.1f} "
                             f"| 1.00 | – | – | – |")
             rows += program_rows
-        if "ray" in args.paths:
-            import ray
-            from pie_actors.runtime import start_ray
-
-            start_ray("local")    # a cluster of its own, as Runtime.connect starts it (its workers at nice 0)
-            try:
-                with Runtime.connect(**settings) as cluster:
-                    rows += measure(kind, "ray", cluster, None, loops, clients, args.tokens, args.rounds, generate)
-            finally:
-                ray.shutdown()
     env = (f"SmolLM2-135M-Instruct, {dtype}; {args.tokens} new tokens a program, prompts of ~30 tokens; "
            f"median of {args.rounds} rounds a row; 1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
     publish(env, "\n".join(rows), args.out, args.title)
 
 
-def measure(kind: str, path: str, runtime: Runtime, reference_runtime: Runtime | None, loops: list[str],
+def measure(kind: str, path: str, runtime: Runtime, reference_runtime: Runtime, loops: list[str],
             clients: list[int], tokens: int, rounds: int, generate: dict[int, list[float]]) -> list[str]:
-    """The rows of `path`. With a `reference_runtime` (this process's engine), each round runs
-    engine.generate there (kept in `generate`) right before the programs, and a row's ratio is the
-    median of the rounds'; through Ray, each round is compared with the local rounds' median
-    engine.generate."""
+    """The rows of `path`. Each round runs engine.generate on `reference_runtime` (this process's
+    engine; kept in `generate`) right before the programs, and a row's ratio is the median of the
+    rounds'."""
     rows = []
     for loop in loops:
         run_batch(runtime, LOOPS[loop], max(clients), 4)    # warm-up: sandbox, its instance slots, programs
         for n in clients:
             results = []
             for _ in range(rounds):
-                if reference_runtime is not None:
-                    generate[n].append(reference(reference_runtime, n, tokens))
-                    base = generate[n][-1]
-                else:
-                    base = statistics.median(generate[n])
+                generate[n].append(reference(reference_runtime, n, tokens))
                 r = run_batch(runtime, LOOPS[loop], n, tokens)
-                results.append((n * tokens / r["wall"] / base, r))
+                results.append((n * tokens / r["wall"] / generate[n][-1], r))
             ratio, r = sorted(results, key=lambda x: x[0])[len(results) // 2]
             ms = 1e3 / (n * tokens)                                    # seconds of the run -> ms a token
             host = f"{ms * r['host_cpu']:.2f}" if path != "ray" else "–"             # this process's programs
