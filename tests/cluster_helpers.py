@@ -122,12 +122,9 @@ DUMMY = dict(model="dummy", device="cpu", dtype="float32", compile="off", num_pa
 def every_core() -> None:
     """This process's threads back on every core it started with: cpu_cores.py moves them off a CPU
     engine's, and what it starts next (a cluster's processes) would inherit that."""
-    for tid in os.listdir("/proc/self/task") if cpu_cores.SUPPORTED else ():
-        try:
-            os.sched_setaffinity(int(tid), cpu_cores.ALLOWED)
-        except OSError:                     # a thread that ended meanwhile
-            pass
-    cpu_cores._kept_off = cpu_cores.ALLOWED
+    if cpu_cores.SUPPORTED:
+        cpu_cores._move_threads(cpu_cores.ALLOWED)
+        cpu_cores._kept_off = cpu_cores.ALLOWED
 
 
 @contextmanager
