@@ -21,10 +21,12 @@ drifts by more than the gaps measured. The Ray rounds too alternate with engine.
 process (its engine idle meanwhile), so the ratio of a Ray row to the local row of the same N is the
 cluster path against the local one with the drift between their rounds taken out. Wall time runs from the first launch to the
 last result; tokens/s = N x tokens / wall time (the median round's). Per row: the decode-step
-histogram (lanes: steps) of the median round from the engine's statistics, and, in process, the CPU
-time per token of the program side (the sandboxed guest and its host: the threads each run starts,
-and the host loop they share) and of the data plane's server thread (in this process on the local
-path only).
+histogram (lanes: steps) of the median round from the engine's statistics; the engine's busy share
+(the part of the wall time its steps took: what the path leaves it idle is the rest); the CPU time
+per token of the program side (in this process, the sandboxed guest and its host: the threads each
+run starts, and the host loop they share; on the Ray path, every thread of the host actors'
+processes, read from /proc); and of the data plane's server thread (in this
+process on the local path only).
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ LOOPS = {"per-token": Program.load(EXAMPLES / "completion_max"),
 assert "wake_every=1" in LOOPS["run-ahead/1"].source and "tokens.length < maxTokens" in _RUN_AHEAD_JS
 STORY = " once upon a time, in a small village by the sea, there lived an old fisherman who"
 _TICK = os.sysconf("SC_CLK_TCK")
+BUSY = ("plan", "model", "epilogue", "finish")     # the engine's step_seconds that add up to a step
 
 
 _batches = itertools.count()
@@ -76,29 +79,50 @@ def _task_cpu() -> dict[int, float]:
     return out
 
 
+def _host_actors_cpu() -> dict[int, float]:
+    """CPU seconds of each inferlet host actor's process on this machine, by pid (Ray titles its
+    actors' processes "ray::<class>"; the bench's cluster is its own)."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if not open(f"/proc/{pid}/cmdline", "rb").read().startswith(b"ray::InferletActor"):
+                continue
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue                          # it ended meanwhile
+        out[int(pid)] = (int(fields[11]) + int(fields[12])) / _TICK
+    return out
+
+
 def _thread_id(name: str) -> int | None:
     return next((t.native_id for t in threading.enumerate() if t.name == name), None)
 
 
-def run_batch(runtime: Runtime, program: Program, n: int, tokens: int) -> dict:
-    """N programs launched at once; wall time, decode-step histogram and (in process) CPU."""
+def run_batch(runtime: Runtime, program: Program, n: int, tokens: int, path: str = "local") -> dict:
+    """N programs launched at once; wall time, decode-step histogram and the program side's CPU."""
     texts = prompts(n)
-    before = runtime.stats()["decode_batch_sizes"]
+    before = runtime.stats()
     cpu0, tasks0 = time.process_time(), _task_cpu()
+    actors0 = _host_actors_cpu() if path == "ray" else {}
     t0 = time.perf_counter()
     processes = [runtime.launch(program, {"prompt": p, "max_tokens": tokens}) for p in texts]
     outputs = [p.result() for p in processes]
     wall = time.perf_counter() - t0
     cpu, tasks = time.process_time() - cpu0, _task_cpu()
+    actors = _host_actors_cpu() if path == "ray" else {}
     assert all(len(o["tokens"] if "tokens" in o else o["text"]) for o in outputs)
-    steps = {k: v - before.get(k, 0) for k, v in runtime.stats()["decode_batch_sizes"].items()
-             if v - before.get(k, 0)}
+    after = runtime.stats()
+    steps = {k: v - before["decode_batch_sizes"].get(k, 0) for k, v in after["decode_batch_sizes"].items()
+             if v - before["decode_batch_sizes"].get(k, 0)}
+    # the share of the wall time the engine spent running steps (planning, model, epilogues, results)
+    busy = sum(after["step_seconds"].get(k, 0) - before["step_seconds"].get(k, 0) for k in BUSY) / wall
     # threads alive before and after are the engine's, its kernels' and the data plane's, and the
     # runs' shared host loop (theirs); the rest were started by the runs (each guest and its host calls)
     loop, server = _thread_id("inferlet-host"), _thread_id("engine-server")
     engine_side = sum(tasks[t] - tasks0[t] for t in tasks if t in tasks0 and t != loop)
     plane = tasks.get(server, 0.0) - tasks0.get(server, 0.0) if server else 0.0
-    return {"wall": wall, "steps": steps, "host_cpu": cpu - engine_side, "plane_cpu": plane}
+    host = sum(cpu - actors0.get(pid, 0.0) for pid, cpu in actors.items()) if path == "ray" else cpu - engine_side
+    return {"wall": wall, "steps": steps, "busy": busy, "host_cpu": host, "plane_cpu": plane}
 
 
 def reference(runtime: Runtime, n: int, tokens: int) -> float:
@@ -128,8 +152,8 @@ def main() -> None:
     clients = [int(c) for c in args.clients.split(",")]
     loops = args.loops.split(",")
 
-    rows = ["| engine | path | loop | N | tokens/s | ÷ generate | decode steps (lanes:steps) "
-            "| host CPU ms/token | data plane ms/token |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| engine | path | loop | N | tokens/s | ÷ generate | decode steps (lanes:steps) | engine busy "
+            "| host CPU ms/token | data plane ms/token |", "|---|---|---|---|---|---|---|---|---|---|"]
     load_before = os.getloadavg()[0]
     for kind in args.engines.split(","):
         settings = {"dtype": args.dtype, "compile": kind == "compiled"}
@@ -158,7 +182,7 @@ def main() -> None:
                     ray.shutdown()
             for n in clients:
                 rows.append(f"| {kind} | engine.generate | – | {n} | {statistics.median(generate[n]):.1f} "
-                            f"| 1.00 | – | – | – |")
+                            f"| 1.00 | – | – | – | – |")
             rows += program_rows
     env = (f"SmolLM2-135M-Instruct, {dtype}; {args.tokens} new tokens a program, prompts of ~30 tokens; "
            f"median of {args.rounds} rounds a row; 1-min load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
@@ -172,20 +196,20 @@ def measure(kind: str, path: str, runtime: Runtime, reference_runtime: Runtime, 
     rounds'."""
     rows = []
     for loop in loops:
-        run_batch(runtime, LOOPS[loop], max(clients), 4)    # warm-up: sandbox, its instance slots, programs
+        run_batch(runtime, LOOPS[loop], max(clients), 4, path)    # warm-up: sandbox, its instance slots, programs
         for n in clients:
             results = []
             for _ in range(rounds):
                 generate[n].append(reference(reference_runtime, n, tokens))
-                r = run_batch(runtime, LOOPS[loop], n, tokens)
+                r = run_batch(runtime, LOOPS[loop], n, tokens, path)
                 results.append((n * tokens / r["wall"] / generate[n][-1], r))
             ratio, r = sorted(results, key=lambda x: x[0])[len(results) // 2]
             ms = 1e3 / (n * tokens)                                    # seconds of the run -> ms a token
-            host = f"{ms * r['host_cpu']:.2f}" if path != "ray" else "–"             # this process's programs
+            host = f"{ms * r['host_cpu']:.2f}"                # this process's programs, or the host actors'
             plane = f"{ms * r['plane_cpu']:.2f}" if path == "local" else "–"         # its data plane is here
             cpu = f"{host} | {plane}"
             rows.append(f"| {kind} | {path} | {loop} | {n} | {n * tokens / r['wall']:.1f} | {ratio:.2f} "
-                        f"| {histogram(r['steps'])} | {cpu} |")
+                        f"| {histogram(r['steps'])} | {r['busy']:.2f} | {cpu} |")
             print(rows[-1], flush=True)
     return rows
 
