@@ -67,16 +67,19 @@ def prompts(n: int) -> list[str]:
     return [f"Story {batch}.{i}:{STORY}" for i in range(n)]
 
 
+def _cpu_seconds(stat: str) -> float | None:
+    """User + system CPU seconds from a /proc stat file; None once its task has ended."""
+    try:
+        fields = open(stat).read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
 def _task_cpu() -> dict[int, float]:
     """CPU seconds of each thread of this process, by thread id."""
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            fields = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue                          # it ended meanwhile
-        out[int(tid)] = (int(fields[11]) + int(fields[12])) / _TICK
-    return out
+    cpu = {int(tid): _cpu_seconds(f"/proc/self/task/{tid}/stat") for tid in os.listdir("/proc/self/task")}
+    return {tid: s for tid, s in cpu.items() if s is not None}
 
 
 def _host_actors_cpu() -> dict[int, float]:
@@ -85,12 +88,11 @@ def _host_actors_cpu() -> dict[int, float]:
     out = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if not open(f"/proc/{pid}/cmdline", "rb").read().startswith(b"ray::InferletActor"):
-                continue
-            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            title = open(f"/proc/{pid}/cmdline", "rb").read()
         except OSError:
             continue                          # it ended meanwhile
-        out[int(pid)] = (int(fields[11]) + int(fields[12])) / _TICK
+        if title.startswith(b"ray::InferletActor") and (cpu := _cpu_seconds(f"/proc/{pid}/stat")) is not None:
+            out[int(pid)] = cpu
     return out
 
 
