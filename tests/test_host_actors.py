@@ -117,3 +117,11 @@ def test_a_killed_host_actor_fails_exactly_its_processes(cluster, wants):
     status = ray.get(ray.get_actor(NAME).status.remote())
     assert not {p.name for p in processes} & {p.name for p in status.processes}
     assert victim not in _hosts()                              # placed on no more
+
+
+@pytest.mark.parametrize("setting", [dict(inferlets_per_actor=0), dict(inferlets_per_actor=-3),
+                                     dict(spare_actors=-1), dict(actors_per_node=0)])
+def test_cluster_settings_are_validated(setting):
+    name = next(iter(setting))
+    with pytest.raises(ConfigError, match=f"cluster.{name} must be at least"):
+        load(**setting)
