@@ -9,7 +9,6 @@ import pytest
 import ray
 
 from pie_actors import Runtime
-from pie_actors.controller import NAMESPACE
 from pie_actors.gpu.engine import Engine
 from pie_actors.replicas import ENGINE_PREFIX
 from tests.cluster_helpers import DUMMY, FED, GREEDY, WAITER, two_nodes, until

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pie_actors.gpu.kernels import cpu_kernels, hugepages
+from pie_actors.gpu.kernels import cpu_kernels
 from pie_actors.gpu.kernels.attention import AttentionMetadata, LanePlan, _decode_attention, _gather
 from pie_actors.gpu.eta.ops import argmax
 

@@ -23,7 +23,7 @@ from pie_actors.inferlet.run import Run
 from pie_actors.launch import Launch
 from pie_actors.process import Done, Failed, Send
 from pie_actors.program import Program
-from tests.engine_helpers import decode, make_engine, serve
+from tests.engine_helpers import decode, serve
 
 PROMPTS = [
     "The capital of France is", "List three colors:", "def add(a, b):", "Water boils at",

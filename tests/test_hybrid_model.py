@@ -20,7 +20,6 @@ from pie_actors.gpu.engine.scheduler import Lane, PassError, PassRequest
 from pie_actors.gpu.model.config import UnsupportedModel
 from pie_actors.gpu.model.loader import load_checkpoint
 from pie_actors.kvstore import InvalidSlot
-from pie_actors.model_store import import_model
 from tests.engine_helpers import hf_greedy, make_engine, save_tiny_model
 
 PROMPTS = [[(7 * i + 3) % 512 for i in range(n)] for n in (5, 70, 1, 33)]   # 70: two delta-rule chunks

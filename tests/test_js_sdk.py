@@ -16,7 +16,7 @@ from pie_actors.inferlet.build import JS_DIR
 from pie_actors.inferlet.host import HostApi, HostOpError
 from pie_actors.inferlet.run import sandbox_for
 
-from inferlet_helpers import EXAMPLES, referenced, run, settle
+from inferlet_helpers import referenced, run, settle
 
 pytestmark = pytest.mark.skipif(
     shutil.which("node") is None or not (JS_DIR / "node_modules" / ".bin" / "componentize-js").is_file(),

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from pie_actors.inferlet.chat_ops import chat_tokens
-from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response, ResponseStreamEvent
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..config import pie_home
-from ..program import Manifest, Program, parse_python
+from ..program import Program, parse_python
 from .instance_pool import SLOTS, use_pool
 
 HERE = Path(__file__).resolve().parent
