@@ -123,7 +123,7 @@ def run_batch(runtime: Runtime, program: Program, n: int, tokens: int, path: str
     loop, server = _thread_id("inferlet-host"), _thread_id("engine-server")
     engine_side = sum(tasks[t] - tasks0[t] for t in tasks if t in tasks0 and t != loop)
     plane = tasks.get(server, 0.0) - tasks0.get(server, 0.0) if server else 0.0
-    host = sum(cpu - actors0.get(pid, 0.0) for pid, cpu in actors.items()) if path == "ray" else cpu - engine_side
+    host = sum(s - actors0.get(pid, 0.0) for pid, s in actors.items()) if path == "ray" else cpu - engine_side
     return {"wall": wall, "steps": steps, "busy": busy, "host_cpu": host, "plane_cpu": plane}
 
 
