@@ -1,7 +1,7 @@
 """N programs at once on one engine: what the path programs take costs against the engine's own
 batched decode, run the way users run them.
 
-    python bench/concurrency.py [--clients 1,8,32,64] [--tokens 64] [--paths local,child,ray] [--rounds 3]
+    python bench/concurrency.py [--clients 1,8,32,64] [--tokens 64] [--paths local,child,ray] [--rounds 5]
                                 [--engines eager,compiled] [--dtype auto] [--out bench/RESULTS.md]
 
 For each engine (eager, compiled decode) and path (`local`, `Runtime.local`: sandbox, data plane and
@@ -17,15 +17,16 @@ engine actor on a local Ray cluster), N programs are launched at once, each gree
 against `engine.generate` of the same N prompts batched in this process. The two alternate,
 `--rounds` times a row, each round on prompts that neither has seen (so no prefix cache favours
 either), and a row gives the median of the rounds' ratios: the machines are shared, and their speed
-drifts by more than the gaps measured. The Ray rounds too alternate with engine.generate in this
-process (its engine idle meanwhile), so the ratio of a Ray row to the local row of the same N is the
-cluster path against the local one with the drift between their rounds taken out. Wall time runs from the first launch to the
-last result; tokens/s = N x tokens / wall time (the median round's). Per row: the decode-step
-histogram (lanes: steps) of the median round from the engine's statistics; the engine's busy share
-(the part of the wall time its steps took: what the path leaves it idle is the rest); the CPU time
-per token of the program side (in this process, the sandboxed guest and its host: the threads each
-run starts, and the host loop they share; on the Ray path, every thread of the host actors'
-processes, read from /proc); and of the data plane's server thread (in this
+drifts by more than the gaps measured (five rounds: the median of three scattered by as much as the
+gaps). The Ray rounds too alternate with engine.generate in this process (its engine idle
+meanwhile), so the ratio of a Ray row to the local row of the same N is the cluster path against
+the local one with the drift between their rounds taken out. Wall time runs from the first launch
+to the last result; tokens/s = N x tokens / wall time (the median round's). Per row: the
+decode-step histogram (lanes: steps) of the median round from the engine's statistics; the
+engine's busy share (the part of the wall time its steps took: what the path leaves it idle is the
+rest); the CPU time per token of the program side (in this process, the sandboxed guest and its
+host: the threads each run starts, and the host loop they share; on the Ray path, every thread of
+the host actors' processes, read from /proc); and that of the data plane's server thread (in this
 process on the local path only).
 """
 from __future__ import annotations
@@ -100,7 +101,7 @@ def _thread_id(name: str) -> int | None:
     return next((t.native_id for t in threading.enumerate() if t.name == name), None)
 
 
-def run_batch(runtime: Runtime, program: Program, n: int, tokens: int, path: str = "local") -> dict:
+def run_batch(runtime: Runtime, program: Program, n: int, tokens: int, path: str) -> dict:
     """N programs launched at once; wall time, decode-step histogram and the program side's CPU."""
     texts = prompts(n)
     before = runtime.stats()
@@ -148,7 +149,7 @@ def main() -> None:
     ap.add_argument("--engines", default="eager,compiled")
     ap.add_argument("--loops", default=",".join(LOOPS))
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--rounds", type=int, default=3, help="generate/programs pairs a row (median)")
+    ap.add_argument("--rounds", type=int, default=5, help="generate/programs pairs a row (median)")
     add_output_options(ap, "Programs at once vs engine.generate")
     args = ap.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
